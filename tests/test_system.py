@@ -1,0 +1,152 @@
+"""System tests of the training stack across processes: the CLIs, kill -9 and resume, offline W&B files.
+
+All runs use the `smoke` preset on a small slice of the shared EurLex sample, prepared once per session with the
+`altgrad-prepare` CLI into a temporary folder (never into the repository).
+"""
+import json, math, os, shutil, signal, subprocess, sys, time
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _exe(name: str) -> str:
+    "The console script `name` of this environment (falls back to PATH)."
+    p = BIN / name
+    return str(p) if p.exists() else (shutil.which(name) or name)
+
+
+def _shared() -> Path:
+    from altgrad.data import shared_data_dir
+    sd = shared_data_dir(ROOT)
+    if sd is None or not (sd / "eurlex").is_dir():
+        pytest.skip("no shared EurLex sample: set ALTGRAD_SHARED_DATA to the folder holding eurlex/")
+    return sd
+
+
+def _run(*args, timeout=300, **kw):
+    return subprocess.run([str(a) for a in args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _train_args(data, out, *extra):
+    return [_exe("altgrad-train"), "smoke", f"data_dir={data}", f"out_dir={out}", "--no-progress", *extra]
+
+
+def _losses(run_dir, key="train/loss"):
+    from altgrad.tracking import read_metrics
+    return {r["step"]: r[key] for r in read_metrics(Path(run_dir) / "metrics.jsonl", merge=True) if key in r}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    "EurLex (first 40 documents per split) prepared by the `altgrad-prepare` CLI."
+    sd = _shared()
+    out = tmp_path_factory.mktemp("data") / "eurlex"
+    r = _run(_exe("altgrad-prepare"), "--source", sd / "eurlex", "--out", out, "--max-docs", "40", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "altgrad-prepare:" in r.stdout and (out / "meta.json").exists()
+    return out
+
+
+@pytest.fixture(scope="module")
+def offline_run(data, tmp_path_factory):
+    "One CLI run with offline W&B: 8 steps, evaluation and checkpoint every 4."
+    out = tmp_path_factory.mktemp("runs") / "offline"
+    r = _run(*_train_args(data, out, "max_steps=8", "eval_interval=4", "checkpoint_interval=4", "wandb_mode=offline"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return out, r
+
+
+def test_cli_train_writes_run_folder(offline_run):
+    out, r = offline_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_step"] == 8 and summary["stopped_reason"] == "max_steps"
+    assert json.loads(r.stdout[r.stdout.index("{"):]) == summary          # the CLI prints the summary
+    for f in ("metrics.jsonl", "alerts.jsonl", "config.yaml", "summary.json", "tracker.json"):
+        assert (out / f).exists(), f
+    assert (out / "wandb").is_dir()
+    ck = sorted(p.name for p in (out / "checkpoints").glob("*.pt"))
+    assert ck == ["best.pt", "step_000004.pt", "step_000008.pt"], ck
+    from altgrad.config import load_config
+    cfg = load_config(out / "config.yaml")
+    assert (cfg.max_steps, cfg.n_layer, cfg.wandb_mode, cfg.out_dir) == (8, 2, "offline", str(out))
+    from altgrad.tracking import read_metrics
+    recs = read_metrics(out)
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    for rec in recs:
+        for k in ("train/loss", "train/lr", "perf/tokens_per_sec", "perf/step_time", "grad_cos_sim/global"):
+            assert k in rec, (rec["step"], k)
+        assert ("val/loss" in rec) == (rec["step"] % 4 == 0)
+
+
+def test_cli_bad_key_exit_code(data, tmp_path):
+    r = _run(*_train_args(data, tmp_path / "bad", "n_layers=3"), timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "unknown config key 'n_layers'" in r.stderr and "did you mean 'n_layer'" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = _run(*_train_args(data, tmp_path / "bad", "lr=fast"), timeout=120)
+    assert r.returncode == 2 and "lr must be a float" in r.stderr
+    r = _run(*_train_args(tmp_path / "nodata", tmp_path / "bad"), timeout=120)
+    assert r.returncode == 2 and "altgrad-prepare --source ../shared/data/eurlex --out" in r.stderr
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_kill_and_resume_is_exact(data, tmp_path):
+    "SIGKILL a training process after its first checkpoint, resume it: the losses equal an uninterrupted run's."
+    steps = ["max_steps=30", "eval_interval=10", "checkpoint_interval=5", "wandb_mode=offline", "shadow=false"]
+    ref = tmp_path / "ref"
+    r = _run(*_train_args(data, ref, *steps))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    run = tmp_path / "killed"
+    p = subprocess.Popen(_train_args(data, run, *steps), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((run / "checkpoints").glob("step_*.pt")):
+            assert p.poll() is None, f"training exited ({p.returncode}) before its first checkpoint: {p.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.02)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None: p.kill(); p.wait()
+    assert p.returncode == -signal.SIGKILL
+    assert not (run / "summary.json").exists()                           # it really died mid-run
+    killed_at = max(_losses(run))
+    assert killed_at < 30
+
+    r = _run(*_train_args(data, run, *steps, "resume=true"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_step"] == 30 and summary["resumed_from"].endswith(".pt")
+    resumed_from = int(Path(summary["resumed_from"]).stem.split("_")[-1])
+    assert 5 <= resumed_from <= killed_at and summary["steps_this_run"] == 30 - resumed_from
+    want, got = _losses(ref), _losses(run)
+    assert sorted(got) == sorted(want) == list(range(1, 31))
+    assert [got[s] for s in range(1, 31)] == [want[s] for s in range(1, 31)]   # bit for bit
+    assert _losses(run, "val/loss") == _losses(ref, "val/loss")
+    # the same W&B run continues: one run id in the tracker, the summary and every W&B run file
+    from altgrad.tracking import read_wandb_run_ids
+    run_id = json.loads((run / "tracker.json").read_text())["run_id"]
+    assert summary["run_id"] == run_id
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                                   # the killed run's file may have a torn tail
+        ids = read_wandb_run_ids(run)
+    assert len(ids) >= 2 and set(ids) == {run_id}
+
+
+def test_offline_wandb_has_every_step(offline_run):
+    "The offline W&B run file holds every step's metrics, equal to metrics.jsonl."
+    out, _ = offline_run
+    from altgrad.tracking import read_wandb_history, read_metrics
+    hist = read_wandb_history(out)
+    recs = read_metrics(out)
+    assert [h["_step"] for h in hist] == [r["step"] for r in recs] == list(range(1, 9))
+    for h, rec in zip(hist, recs):
+        for k, v in rec.items():
+            if k == "step": continue
+            assert k in h, (rec["step"], k)
+            if isinstance(v, float) and math.isfinite(v): assert h[k] == pytest.approx(v, rel=1e-12, abs=0), k
+            else: assert h[k] == v, k
