@@ -17,7 +17,7 @@ from .report import load_run, run_summary, write_report, fmt_num, short_layer
 # %% auto #0
 __all__ = ['SEED_ORDER', 'POST_LN_RULES', 'resolve_preset', 'run_name', 'reference_dir', 'ensure_data', 'train', 'reference_run',
            'format_config', 'hot_layers', 'retry_rules', 'find_notebook', 'run_notebook', 'summary_rows', 'plot_sweep',
-           'write_summary', 'run_sweep', 'sweep_cli']
+           'plot_reference', 'write_summary', 'run_sweep', 'sweep_cli']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
 SEED_ORDER = ["E5M2", "E3M4", "E1M6", "E7M0", "E0M7", "E4M3"]
@@ -173,8 +173,19 @@ def plot_sweep(out, names: list[str], ref_dir):
     a2.set(ylabel="final val loss / reference", title="final loss relative to the reference"); a2.legend(fontsize=7)
     fig.tight_layout(); return fig
 
-def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed: int, note: str = "") -> Path:
-    "Write `out/summary.md` (+ `summary.png`, `summary.json`) for the runs `names`."
+def plot_reference(ref_dir, unigram: float | None = None):
+    "Training and validation loss of the reference run, with the unigram baseline it has to beat."
+    r = load_run(ref_dir)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    s, v = r.series("train/loss"); ax.plot(s, v, lw=0.8, alpha=0.6, label="train loss")
+    s, v = r.series("val/loss"); ax.plot(s, v, "o-", ms=3, label="validation loss")
+    if unigram is not None: ax.axhline(unigram, color="k", ls=":", label=f"unigram baseline ({unigram:.3f})")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"reference run ({r.summary.get('device', '?')})")
+    ax.legend(); fig.tight_layout(); return fig
+
+def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed: int, note: str = "",
+                  unigram: float | None = None) -> Path:
+    "Write `out/summary.md` (+ `summary.png`, `reference.png`, `summary.json`) for the runs `names`."
     out = Path(out); rows = summary_rows(out, names, ref_dir)
     fig = plot_sweep(out, names, ref_dir); fig.savefig(out / "summary.png", dpi=110); plt.close(fig)
     ref = load_run(ref_dir) if ref_dir else None
@@ -183,6 +194,13 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
          f"Preset `{resolve_preset(preset)}`, {steps} steps, seed {seed}, device `{dev}`. Reference: "
          f"final validation loss {fmt_num(ref.last('val/loss') if ref else None)} "
          f"({'FP32' if dev == 'cpu' else 'BF16 autocast'}). Each format's write-up is in `<name>/report.md`.", ""]
+    if ref is not None:
+        fig = plot_reference(ref_dir, unigram); fig.savefig(out / "reference.png", dpi=110); plt.close(fig)
+        tps = ref.summary.get("tokens_per_sec")
+        L += [f"The reference ran {ref.summary.get('final_step')} steps at {fmt_num(tps, ',.0f')} tokens/s (median step); "
+              f"its validation loss {fmt_num(ref.last('val/loss'))} nats/token against the unigram baseline "
+              f"{fmt_num(unigram)} (add-one smoothed train unigram, scored on validation).", "",
+              "![reference](reference.png)", ""]
     if note: L += [note, ""]
     L += ["| run | format | precision rules | final val loss | ratio to reference | perplexity | mean grad cosine | mean bit-stall | max overflow | failure step | verdict |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -198,24 +216,47 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
 
 # %% ../nbs/31_sweep.ipynb #1e4bb494
 def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None, retry: bool = True,
-              interventions: bool = False, data_dir: str = "", wandb_mode: str = "offline") -> Path:
-    "Reference, then every format in the seeds' order (with retries); writes `out/summary.md`."
+              interventions: bool = False, data_dir: str = "", wandb_mode: str = "offline", force: bool = False) -> Path:
+    """Reference, then every format in the seeds' order (with retries); writes `out/summary.md`.
+
+    A format whose finished run (same steps and seed) is already in `out` is reused unless `force`, so an
+    interrupted sweep continues where it stopped."""
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     formats = [get_format(f).name for f in (formats or SEED_ORDER)]
     data_dir = ensure_data(data_dir or None, out)
     ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode)
+    from altgrad.data import unigram_baseline
+    uni = unigram_baseline(data_dir)
     names, t0 = [], time.time()
     common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode)
+
+    def one(fmt, rules=None, tag=""):
+        name = run_name(fmt, tag)
+        if not force and _finished(out / name, steps, seed):
+            print(f"[altgrad-sweep] {name}: reusing the finished run in {out / name}", flush=True)
+        else:
+            print(f"[altgrad-sweep] {name} ({time.time() - t0:.0f} s)", flush=True)
+            run_notebook(fmt, out, rules=rules, tag=tag, **common)
+        names.append(name)
+        return run_summary(load_run(out / name / "run"), load_run(ref))
+
     for fmt in formats:
-        print(f"[altgrad-sweep] {fmt} ({time.time() - t0:.0f} s)", flush=True)
-        run_notebook(fmt, out, **common); names.append(fmt)
-        s = run_summary(load_run(out / fmt / "run"), load_run(ref))
+        s = one(fmt)
         if retry and s["verdict"] != "PASS":
             tag, rules = retry_rules(fmt, out / fmt / "run", load_run(out / fmt / "run").config.get("n_layer"))
             print(f"[altgrad-sweep] {fmt}: {s['verdict']}; retrying as {run_name(fmt, tag)} with rules {rules}", flush=True)
-            run_notebook(fmt, out, rules=rules, tag=tag, **common); names.append(run_name(fmt, tag))
-        write_summary(out, names, ref, preset, steps, seed)
-    return write_summary(out, names, ref, preset, steps, seed)
+            one(fmt, rules, tag)
+        write_summary(out, names, ref, preset, steps, seed, unigram=uni)
+    return write_summary(out, names, ref, preset, steps, seed, unigram=uni)
+
+def _finished(dest: Path, steps: int, seed: int) -> bool:
+    "A format run in `dest` with a write-up, of this length and seed, that ended normally or by the NaN policy."
+    try:
+        summ = json.loads((dest / "run" / "summary.json").read_text())
+        cfg = load_run(dest / "run").config
+    except (OSError, ValueError): return False
+    return ((dest / "report.md").exists() and summ.get("max_steps") == steps and cfg.get("seed") == seed
+            and summ.get("stopped_reason") in ("max_steps", "nan"))
 
 def sweep_cli(argv: list[str] | None = None) -> int:
     "`altgrad-sweep --preset PRESET --out DIR [--steps N] [--seed S] [--formats E5M2,E3M4] [--no-retry]`"
@@ -225,11 +266,12 @@ def sweep_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default=",".join(SEED_ORDER)); p.add_argument("--no-retry", action="store_true")
     p.add_argument("--interventions", action="store_true"); p.add_argument("--data-dir", default="")
     p.add_argument("--wandb-mode", default="offline")
+    p.add_argument("--force", action="store_true", help="re-run formats whose finished runs are already in --out")
     a = p.parse_args(argv)
     try:
         fmts = [get_format(f.strip()).name for f in a.formats.split(",") if f.strip()]
         load_config(resolve_preset(a.preset))
     except (ValueError, ConfigError) as e:
         print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
-    print(run_sweep(a.preset, a.out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir, a.wandb_mode))
+    print(run_sweep(a.preset, a.out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir, a.wandb_mode, a.force))
     return 0
