@@ -4,7 +4,7 @@
 
 # %% ../nbs/30_report.ipynb #ff7e0ac0
 from __future__ import annotations
-import json, math, re
+import json, math, os, re
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
@@ -14,7 +14,7 @@ from .tracking import read_metrics, read_alerts, encode_json
 
 # %% auto #0
 __all__ = ['Run', 'load_run', 'write_synthetic_run', 'short_layer', 'plot_loss', 'plot_cosine', 'layer_matrix', 'plot_heatmap',
-           'pick_layers', 'plot_histograms', 'first_nan_step', 'nan_origin', 'failure_analysis', 'verdict',
+           'hotspots', 'pick_layers', 'plot_histograms', 'first_nan_step', 'nan_origin', 'failure_analysis', 'verdict',
            'run_summary', 'fmt_num', 'write_report']
 
 # %% ../nbs/30_report.ipynb #5e4f383e
@@ -168,6 +168,16 @@ def plot_heatmap(run: Run, prefix: str, title: str, vmax: float | None = None):
     ax.set(xlabel="step", title=title); fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout(); return fig
 
+def hotspots(run: Run, prefix: str, k: int = 3) -> list[tuple[str, float, float, int]]:
+    "The `k` rows of `layer_matrix(run, prefix)` with the highest mean: `(name, mean, max, step of the max)`."
+    names, steps, m = layer_matrix(run, prefix)
+    rows = []
+    for name, row in zip(names, m):
+        if not np.isfinite(row).any(): continue
+        j = int(np.nanargmax(row))
+        rows.append((name, float(np.nanmean(row)), float(row[j]), int(steps[j])))
+    return sorted(rows, key=lambda t: -t[1])[:k]
+
 def pick_layers(names: list[str], k: int = 3) -> list[str]:
     "An early, a middle and a late layer (by position in the model)."
     if len(names) <= k: return list(names)
@@ -262,6 +272,12 @@ def fmt_num(v, spec: str = ".4g") -> str:
     return format(v, spec) if isinstance(v, (int, float)) else str(v)
 
 # %% ../nbs/30_report.ipynb #bb88be59
+def _rel(path, start) -> str | None:
+    "`path` relative to `start` when that is shorter (reports stay valid when the folder moves), else as given."
+    if not path: return None
+    try: return str(Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())))
+    except ValueError: return str(path)
+
 def _save(fig, path: Path) -> str | None:
     if fig is None: return None
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -291,20 +307,25 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
         L.append(f"| {lab} | {fmt_num(S[k])} | {fmt_num(R.get(k))} |")
     L += ["", f"Ratio of final validation loss to the reference: **{fmt_num(S['ratio_to_ref'], '.3f')}**.", ""]
     figs = [("Loss", _save(plot_loss(run, ref, name), fig_dir / "loss.png"),
-             "Training (thin) and validation (dots) loss; dashed: first NaN; dotted: interventions."),
+             "Training (thin) and validation (dots) loss; dashed: first NaN; dotted: interventions.", None),
             ("Gradient agreement", _save(plot_cosine(run), fig_dir / "grad_cosine.png"),
-             "Cosine similarity between this run's gradients and the FP32 shadow's on the same batch."),
+             "Cosine similarity between this run's gradients and the FP32 shadow's on the same batch.", None),
             ("Where the format hurts: overflow", _save(plot_heatmap(run, "overflow/", "overflow rate (layer/tensor × step)"), fig_dir / "overflow_heatmap.png"),
-             "Fraction of elements beyond the format's range after scaling, for W, A and G of every quantized layer."),
+             "Fraction of elements beyond the format's range after scaling, for W, A and G of every quantized layer.", "overflow/"),
             ("Where the format hurts: underflow", _save(plot_heatmap(run, "underflow/", "underflow rate (layer/tensor × step)"), fig_dir / "underflow_heatmap.png"),
-             "Fraction of non-zero elements flushed to zero."),
+             "Fraction of non-zero elements flushed to zero.", "underflow/"),
             ("Where the format hurts: bit-stall", _save(plot_heatmap(run, "stall/", "bit-stall rate (layer × step)", vmax=1), fig_dir / "stall_heatmap.png"),
-             "Fraction of weights whose 8-bit value did not move although the optimizer update was non-zero."),
+             "Fraction of weights whose 8-bit value did not move although the optimizer update was non-zero.", "stall/"),
             ("Code histograms", _save(plot_histograms(run), fig_dir / "histograms.png"),
-             "How the 256 codes are used by W, A and G of an early, a middle and a late layer.")]
-    for head, path, cap in figs:
+             "How the 256 codes are used by W, A and G of an early, a middle and a late layer.", None)]
+    for head, path, cap, prefix in figs:
         L += [f"## {head}", ""]
         L += [f"![{head}]({path})", "", cap, ""] if path else ["Not available for this run (no such metrics were logged).", ""]
+        if path and prefix:
+            hs = [h for h in hotspots(run, prefix) if h[2] > 0]
+            L += ["Highest (mean over the run; largest value and its step): " + "; ".join(
+                f"`{short_layer(n)}` {fmt_num(mean, '.3g')} (max {fmt_num(mx, '.3g')} at step {st})" for n, mean, mx, st in hs) + "."
+                  if hs else "Zero in every layer and tensor for the whole run.", ""]
     ev = _events(run)
     alerts = [a for a in run.alerts if a.get("kind") == "intervention"]
     L += ["## Interventions", ""]
@@ -324,7 +345,7 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
               f"- **Global gradient norm just before:** {fmt_num(fa['grad_norm_before'])}",
               "- **Highest overflow rates just before:** " + (", ".join(f"{k[9:]} {fmt_num(v, '.3g')}" for k, v in fa["top_overflow"]) or "none logged"),
               "- **Largest gradient L∞ norms just before:** " + (", ".join(f"{k[15:]} {fmt_num(v, '.3g')}" for k, v in fa["top_grad_norm"]) or "none logged"),
-              f"- **Failure checkpoint:** {fa['checkpoint'] or 'none saved'}", ""]
+              f"- **Failure checkpoint:** {_rel(fa['checkpoint'], out) or 'none saved'}", ""]
     L += ["## Verdict", "", f"Verdict: {S['verdict']}", "", S["reason"][0].upper() + S["reason"][1:] + ".", ""]
     p = out / "report.md"; p.write_text("\n".join(L))
     (out / "summary.json").write_text(json.dumps(S, indent=1, default=str))

@@ -16,3 +16,11 @@ def test_unknown_format_lists_valid_ones():
     out = subprocess.run([sys.executable, "-c", "from altgrad.formats import get_format; get_format('E9M9')"],
                          capture_output=True, text=True)
     assert out.returncode != 0 and "valid formats: E5M2, E4M3, E3M4, E1M6, E0M7, E7M0" in out.stderr
+
+
+def test_readme_is_generated_from_index():
+    "README.md is nbs/index.ipynb rendered by nbconvert (regenerate with the command in the assertion message)."
+    cmd = [sys.executable, "-m", "nbconvert", "--to", "markdown", "--stdout", str(ROOT / "nbs" / "index.ipynb")]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert out == (ROOT / "README.md").read_text(), \
+        "README.md is stale: run `jupyter nbconvert --to markdown --stdout nbs/index.ipynb > README.md`"
