@@ -81,7 +81,7 @@ class TrainConfig:
     wandb_project: str = "altgrad"
     wandb_run_name: str | None = None
     wandb_tags: list = field(default_factory=list)
-    wandb_mode: str = "offline"    # 'offline' | 'online' | 'disabled' | 'auto' (online if logged in)
+    wandb_mode: str = "auto"       # 'auto' (online if logged in, else offline) | 'offline' | 'online' | 'disabled'
     seed: int = 42
     device: str = "auto"           # 'auto' | 'cpu' | 'cuda' | 'cuda:N'
     compile: bool = False

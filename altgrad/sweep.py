@@ -64,7 +64,7 @@ def _complete(run_dir: Path, steps: int) -> bool:
     return summ.get("final_step") == steps and summ.get("stopped_reason") in ("max_steps", "completed", None)
 
 def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, data_dir: str | None = None,
-                  wandb_mode: str = "offline", force: bool = False, **overrides) -> Path:
+                  wandb_mode: str = "auto", force: bool = False, **overrides) -> Path:
     "Train (or reuse) the high-precision reference run; returns its folder."
     d = reference_dir(out, preset, seed, steps)
     if not force and _complete(d, steps):
@@ -76,7 +76,7 @@ def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, d
 
 def format_config(fmt: str, out, preset: str = "auto", seed: int = 42, steps: int = 500, data_dir: str | None = None,
                   rules=None, tag: str = "", interventions: bool = False, master_weights: str = "fp32",
-                  stop_on_nan: bool = True, shadow: bool = True, wandb_mode: str = "offline", **overrides):
+                  stop_on_nan: bool = True, shadow: bool = True, wandb_mode: str = "auto", **overrides):
     "The TrainConfig of one format run (its run folder is `out/<name>/run`)."
     get_format(fmt)  # clear error for unknown names
     d = Path(out) / run_name(fmt, tag) / "run"
@@ -124,7 +124,7 @@ def find_notebook(name: str = "run_format.ipynb") -> Path:
 
 def run_notebook(fmt: str, out, preset: str = "auto", steps: int = 500, seed: int = 42, rules=None, tag: str = "",
                  interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
-                 data_dir: str = "", wandb_mode: str = "offline", progress: bool = False) -> Path:
+                 data_dir: str = "", wandb_mode: str = "auto", progress: bool = False) -> Path:
     "Execute the experiment notebook for one format; returns `out/<name>/report.md`."
     import papermill as pm
     name = run_name(fmt, tag); dest = Path(out) / name; dest.mkdir(parents=True, exist_ok=True)
@@ -216,7 +216,7 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
 
 # %% ../nbs/31_sweep.ipynb #1e4bb494
 def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None, retry: bool = True,
-              interventions: bool = False, data_dir: str = "", wandb_mode: str = "offline", force: bool = False) -> Path:
+              interventions: bool = False, data_dir: str = "", wandb_mode: str = "auto", force: bool = False) -> Path:
     """Reference, then every format in the seeds' order (with retries); writes `out/summary.md`.
 
     A format whose finished run (same steps and seed) is already in `out` is reused unless `force`, so an
@@ -265,7 +265,7 @@ def sweep_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=500); p.add_argument("--seed", type=int, default=42)
     p.add_argument("--formats", default=",".join(SEED_ORDER)); p.add_argument("--no-retry", action="store_true")
     p.add_argument("--interventions", action="store_true"); p.add_argument("--data-dir", default="")
-    p.add_argument("--wandb-mode", default="offline")
+    p.add_argument("--wandb-mode", default="auto")
     p.add_argument("--force", action="store_true", help="re-run formats whose finished runs are already in --out")
     a = p.parse_args(argv)
     try:
