@@ -122,6 +122,11 @@ def find_notebook(name: str = "run_format.ipynb") -> Path:
         if c.exists(): return c
     raise FileNotFoundError(f"cannot find nbs/{name}; run altgrad-sweep from the altgrad repository root")
 
+def _portable(path) -> str:
+    "`path` relative to the working directory when inside it (run folders and write-ups then hold no machine paths)."
+    p, cwd = Path(path).resolve(), Path.cwd().resolve()
+    return str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p)
+
 def run_notebook(fmt: str, out, preset: str = "auto", steps: int = 500, seed: int = 42, rules=None, tag: str = "",
                  interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
                  data_dir: str = "", wandb_mode: str = "auto", progress: bool = False) -> Path:
@@ -129,7 +134,7 @@ def run_notebook(fmt: str, out, preset: str = "auto", steps: int = 500, seed: in
     import papermill as pm
     name = run_name(fmt, tag); dest = Path(out) / name; dest.mkdir(parents=True, exist_ok=True)
     params = dict(fmt=fmt, preset=preset, steps=steps, seed=seed, interventions=interventions, master_weights=master_weights,
-                  out_dir=str(Path(out).resolve()), stop_on_nan=stop_on_nan, rules=json.dumps(rules or []), tag=tag,
+                  out_dir=_portable(out), stop_on_nan=stop_on_nan, rules=json.dumps(rules or []), tag=tag,
                   data_dir=data_dir, wandb_mode=wandb_mode)
     pm.execute_notebook(str(find_notebook()), str(dest / "run_format.ipynb"), parameters=params,
                         progress_bar=progress, cwd=str(Path.cwd()), kernel_name="python3")
