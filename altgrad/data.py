@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_data.ipynb #a9238504
 from __future__ import annotations
-import argparse, hashlib, itertools, json, os, re, time
+import argparse, hashlib, itertools, json, os, re, sys, time
 from pathlib import Path
 from typing import Callable, Iterator
 import numpy as np
@@ -267,7 +267,7 @@ def get_batch(data, block_size: int, batch_size: int, device="cpu", generator: t
     return x.to(device), y.to(device)
 
 # %% ../nbs/10_data.ipynb #4b01d768
-def prepare_cli(argv: list[str] | None = None) -> None:
+def prepare_cli(argv: list[str] | None = None) -> int:
     "Console script: `altgrad-prepare --source SOURCE --out DIR [--max-docs N] [--force]`."
     p = argparse.ArgumentParser(prog="altgrad-prepare", description="Tokenize EurLex with GPT-2 BPE into uint16 train/val/test .bin files + meta.json.")
     p.add_argument("--source", default=None, help=f"folder of *.jsonl/*.parquet with a 'text' field, or a Hub id name[:config] "
@@ -279,11 +279,14 @@ def prepare_cli(argv: list[str] | None = None) -> None:
     p.add_argument("--verify", action="store_true", help="also check the sha256 of existing files")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
-    m = prepare_eurlex(a.out, a.source, a.max_docs, a.num_threads, a.force, a.verify, progress=not a.quiet)
+    try: m = prepare_eurlex(a.out, a.source, a.max_docs, a.num_threads, a.force, a.verify, progress=not a.quiet)
+    except (FileNotFoundError, KeyError, TypeError, ValueError, RuntimeError) as e:   # bad source or tokenizer: say how to fix it
+        print(f"altgrad-prepare: error: {e}", file=sys.stderr); return 2
     parts = ", ".join(f"{s} {v['tokens']:,} tokens ({v['docs']:,} docs)" for s, v in m["splits"].items())
     total = sum(v["tokens"] for v in m["splits"].values())
     how = "already prepared, nothing to do" if m["cached"] else f"{total:,} tokens in {m['seconds']:.2f} s = {m['tokens_per_s']:,.0f} tokens/s"
     print(f"altgrad-prepare: {a.out}: {parts}; {how}")
+    return 0
 
 # %% ../nbs/10_data.ipynb #5ba3df5a
 def unigram_baseline(data_dir: str | Path) -> float:
