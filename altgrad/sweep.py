@@ -221,23 +221,29 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
 
 # %% ../nbs/31_sweep.ipynb #1e4bb494
 def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None, retry: bool = True,
-              interventions: bool = False, data_dir: str = "", wandb_mode: str = "auto", force: bool = False) -> Path:
+              interventions: bool = False, data_dir: str = "", wandb_mode: str = "auto", force: bool = False,
+              master_weights: str = "fp32") -> Path:
     """Reference, then every format in the seeds' order (with retries); writes `out/summary.md`.
 
     A format whose finished run (same steps and seed) is already in `out` is reused unless `force`, so an
-    interrupted sweep continues where it stopped."""
+    interrupted sweep continues where it stopped. `master_weights="format"` keeps every 8-bit layer's weights on its
+    grid (updates below half a grid step are lost): the regime in which bit-stall costs loss."""
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     formats = [get_format(f).name for f in (formats or SEED_ORDER)]
     data_dir = ensure_data(data_dir or None, out)
     ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode)
     from altgrad.data import unigram_baseline
     uni = unigram_baseline(data_dir)
+    note = ("Master weights: FP32 (each 8-bit layer's weights are re-quantized from an FP32 copy every step)."
+            if master_weights == "fp32" else "Master weights: on the 8-bit grid (`master_weights=format`): the weights are rounded "
+            "onto the format's grid after every optimizer step, so updates below half a grid step are lost.")
     names, t0 = [], time.time()
-    common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode)
+    common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode,
+                  master_weights=master_weights)
 
     def one(fmt, rules=None, tag=""):
         name = run_name(fmt, tag)
-        if not force and _finished(out / name, steps, seed):
+        if not force and _finished(out / name, steps, seed, master_weights):
             print(f"[altgrad-sweep] {name}: reusing the finished run in {out / name}", flush=True)
         else:
             print(f"[altgrad-sweep] {name} ({time.time() - t0:.0f} s)", flush=True)
@@ -251,16 +257,17 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
             tag, rules = retry_rules(fmt, out / fmt / "run", load_run(out / fmt / "run").config.get("n_layer"))
             print(f"[altgrad-sweep] {fmt}: {s['verdict']}; retrying as {run_name(fmt, tag)} with rules {rules}", flush=True)
             one(fmt, rules, tag)
-        write_summary(out, names, ref, preset, steps, seed, unigram=uni)
-    return write_summary(out, names, ref, preset, steps, seed, unigram=uni)
+        write_summary(out, names, ref, preset, steps, seed, note, uni)
+    return write_summary(out, names, ref, preset, steps, seed, note, uni)
 
-def _finished(dest: Path, steps: int, seed: int) -> bool:
-    "A format run in `dest` with a write-up, of this length and seed, that ended normally or by the NaN policy."
+def _finished(dest: Path, steps: int, seed: int, master_weights: str = "fp32") -> bool:
+    "A format run in `dest` with a write-up, of this length, seed and master weights, that ended normally or by the NaN policy."
     try:
         summ = json.loads((dest / "run" / "summary.json").read_text())
         cfg = load_run(dest / "run").config
     except (OSError, ValueError): return False
     return ((dest / "report.md").exists() and summ.get("max_steps") == steps and cfg.get("seed") == seed
+            and cfg.get("master_weights", "fp32") == master_weights
             and summ.get("stopped_reason") in ("max_steps", "nan"))
 
 def sweep_cli(argv: list[str] | None = None) -> int:
@@ -272,11 +279,14 @@ def sweep_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--interventions", action="store_true"); p.add_argument("--data-dir", default="")
     p.add_argument("--wandb-mode", default="auto")
     p.add_argument("--force", action="store_true", help="re-run formats whose finished runs are already in --out")
+    p.add_argument("--master-weights", default="fp32", choices=["fp32", "format"],
+                   help="fp32 master weights (standard) or weights kept on the 8-bit grid after every step")
     a = p.parse_args(argv)
     try:
         fmts = [get_format(f.strip()).name for f in a.formats.split(",") if f.strip()]
         load_config(resolve_preset(a.preset))
     except (ValueError, ConfigError) as e:
         print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
-    print(run_sweep(a.preset, a.out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir, a.wandb_mode, a.force))
+    print(run_sweep(a.preset, a.out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir, a.wandb_mode, a.force,
+                    a.master_weights))
     return 0

@@ -49,6 +49,11 @@ def test_sweep_cli(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "| [E3M4](E3M4/report.md) | E3M4 | uniform |" in md
     assert (tmp_path / "E3M4" / "report.md").exists() and (tmp_path / "summary.png").exists()
+    assert "unigram baseline" in md and (tmp_path / "reference.png").exists() and "Master weights: FP32" in md
+    # a second call reuses the finished runs (an interrupted sweep continues) and writes the same table
+    r2 = subprocess.run(r.args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r2.returncode == 0 and "E3M4: reusing the finished run" in r2.stdout, r2.stdout[-2000:] + r2.stderr[-2000:]
+    assert (tmp_path / "summary.md").read_text() == md
 
 
 def test_sweep_cli_bad_format(tmp_path):
