@@ -329,12 +329,17 @@ def quantized_layers(model: nn.Module) -> list[tuple[str, QuantizedLinear]]:
 _ROLES = ("w", "a", "g", "dw")
 
 @torch.no_grad()
-def quant_pre_step(model: nn.Module):
-    "Before `optimizer.step()`: quantize weight gradients (`quantize_grads`) and snapshot weights for bit-stall."
-    for _, m in quantized_layers(model):
+def quant_pre_step(model: nn.Module, snapshot: dict[str, torch.Tensor] | None = None):
+    """Before `optimizer.step()`: quantize weight gradients (`quantize_grads`) and snapshot weights for bit-stall.
+
+    `snapshot` (`metrics.snapshot_params(model)`, taken after the last change to the weights) is reused instead of
+    copying each quantized weight again."""
+    snapshot = snapshot or {}
+    for name, m in quantized_layers(model):
         w = m.weight
         if m.qdw is not None and w.grad is not None: w.grad.copy_(m.qdw.quantize(w.grad, train=True))
-        m._snapshot = w.detach().clone()
+        before = snapshot.get(f"{name}.weight")
+        m._snapshot = before if before is not None and before.shape == w.shape else w.detach().clone()
 
 @torch.no_grad()
 def quant_post_step(model: nn.Module) -> dict:

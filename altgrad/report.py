@@ -273,7 +273,7 @@ def fmt_num(v, spec: str = ".4g") -> str:
 
 # %% ../nbs/30_report.ipynb #bb88be59
 def _rel(path, start) -> str | None:
-    "`path` relative to `start` when that is shorter (reports stay valid when the folder moves), else as given."
+    "`path` relative to `start` (reports stay valid when the folder moves); as given where no relative path exists."
     if not path: return None
     try: return str(Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())))
     except ValueError: return str(path)

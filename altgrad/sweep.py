@@ -16,8 +16,8 @@ from .report import load_run, run_summary, write_report, fmt_num, short_layer
 
 # %% auto #0
 __all__ = ['SEED_ORDER', 'POST_LN_RULES', 'resolve_preset', 'run_name', 'reference_dir', 'ensure_data', 'train', 'reference_run',
-           'format_config', 'hot_layers', 'retry_rules', 'find_notebook', 'run_notebook', 'summary_rows', 'plot_sweep',
-           'plot_reference', 'write_summary', 'run_sweep', 'sweep_cli']
+           'format_config', 'hot_layers', 'retry_rules', 'find_notebook', 'run_notebook', 'load_runs', 'summary_rows',
+           'plot_sweep', 'plot_reference', 'write_summary', 'run_sweep', 'sweep_cli']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
 SEED_ORDER = ["E5M2", "E3M4", "E1M6", "E7M0", "E0M7", "E4M3"]
@@ -56,12 +56,14 @@ def train(cfg) -> dict:
     from altgrad.trainer import Trainer
     return Trainer(cfg).fit()
 
+def _read_summary(run_dir: Path) -> dict | None:
+    "The trainer's `summary.json` of `run_dir`, or None when missing or unreadable (a run killed before it ended)."
+    try: return json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError): return None
+
 def _complete(run_dir: Path, steps: int) -> bool:
-    s = run_dir / "summary.json"
-    if not s.exists(): return False
-    try: summ = json.loads(s.read_text())
-    except json.JSONDecodeError: return False
-    return summ.get("final_step") == steps and summ.get("stopped_reason") in ("max_steps", "completed", None)
+    summ = _read_summary(run_dir)
+    return summ is not None and summ.get("final_step") == steps and summ.get("stopped_reason") in ("max_steps", "completed", None)
 
 def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, data_dir: str | None = None,
                   wandb_mode: str = "auto", force: bool = False, **overrides) -> Path:
@@ -145,27 +147,29 @@ def _rules_text(rules) -> str:
     if not rules: return "uniform"
     return "; ".join(f"{p}→{f or 'high precision'}" for p, f in rules)
 
-def summary_rows(out, names: list[str], ref_dir) -> list[dict]:
-    "Summary numbers of each run folder `out/<name>/run` against the reference."
-    ref = load_run(ref_dir) if ref_dir else None
+def load_runs(out, names: list[str]) -> dict:
+    "`{name: Run or None}` for the run folders `out/<name>/run` (None: not run)."
+    dirs = {n: Path(out) / n / "run" for n in names}
+    return {n: load_run(d) if (d / "metrics.jsonl").exists() else None for n, d in dirs.items()}
+
+def summary_rows(runs: dict, ref=None) -> list[dict]:
+    "Summary numbers of each run of `load_runs` against the reference `Run`."
     rows = []
-    for n in names:
-        d = Path(out) / n / "run"
-        if not (d / "metrics.jsonl").exists(): rows.append(dict(name=n, verdict="NOT RUN")); continue
-        s = run_summary(load_run(d), ref); s["name"] = n; rows.append(s)
+    for n, run in runs.items():
+        if run is None: rows.append(dict(name=n, verdict="NOT RUN")); continue
+        s = run_summary(run, ref); s["name"] = n; rows.append(s)
     return rows
 
-def plot_sweep(out, names: list[str], ref_dir):
+def plot_sweep(runs: dict, ref=None):
     "Validation loss of every run over the reference (left) and final loss ratio to the reference (right)."
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
-    if ref_dir:
-        r = load_run(ref_dir); s, v = r.series("val/loss"); a1.plot(s, v, "k-", lw=2, label="reference")
+    if ref is not None:
+        s, v = ref.series("val/loss"); a1.plot(s, v, "k-", lw=2, label="reference")
     labels, ratios, colors = [], [], []
-    ref_v = load_run(ref_dir).last("val/loss") if ref_dir else None
-    for i, n in enumerate(names):
-        d = Path(out) / n / "run"
-        if not (d / "metrics.jsonl").exists(): continue
-        run = load_run(d); s, v = run.series("val/loss")
+    ref_v = ref.last("val/loss") if ref is not None else None
+    for i, (n, run) in enumerate(runs.items()):
+        if run is None: continue
+        s, v = run.series("val/loss")
         a1.plot(s, v, "o-", ms=2.5, lw=1, color=f"C{i}", label=n)
         tl_s, tl_v = run.series("train/loss"); bad = tl_s[~np.isfinite(tl_v)]
         if len(bad): a1.axvline(bad[0], color=f"C{i}", ls="--", lw=0.8)
@@ -178,9 +182,8 @@ def plot_sweep(out, names: list[str], ref_dir):
     a2.set(ylabel="final val loss / reference", title="final loss relative to the reference"); a2.legend(fontsize=7)
     fig.tight_layout(); return fig
 
-def plot_reference(ref_dir, unigram: float | None = None):
-    "Training and validation loss of the reference run, with the unigram baseline it has to beat."
-    r = load_run(ref_dir)
+def plot_reference(r, unigram: float | None = None):
+    "Training and validation loss of the reference `Run`, with the unigram baseline it has to beat."
     fig, ax = plt.subplots(figsize=(7, 3.8))
     s, v = r.series("train/loss"); ax.plot(s, v, lw=0.8, alpha=0.6, label="train loss")
     s, v = r.series("val/loss"); ax.plot(s, v, "o-", ms=3, label="validation loss")
@@ -191,16 +194,16 @@ def plot_reference(ref_dir, unigram: float | None = None):
 def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed: int, note: str = "",
                   unigram: float | None = None) -> Path:
     "Write `out/summary.md` (+ `summary.png`, `reference.png`, `summary.json`) for the runs `names`."
-    out = Path(out); rows = summary_rows(out, names, ref_dir)
-    fig = plot_sweep(out, names, ref_dir); fig.savefig(out / "summary.png", dpi=110); plt.close(fig)
-    ref = load_run(ref_dir) if ref_dir else None
+    out = Path(out); runs, ref = load_runs(out, names), (load_run(ref_dir) if ref_dir else None)   # each read once
+    rows = summary_rows(runs, ref)
+    fig = plot_sweep(runs, ref); fig.savefig(out / "summary.png", dpi=110); plt.close(fig)
     dev = (ref.summary.get("device") if ref else None) or ("cuda" if torch.cuda.is_available() else "cpu")
     L = ["# Sweep summary", "",
          f"Preset `{resolve_preset(preset)}`, {steps} steps, seed {seed}, device `{dev}`. Reference: "
          f"final validation loss {fmt_num(ref.last('val/loss') if ref else None)} "
          f"({'FP32' if dev == 'cpu' else 'BF16 autocast'}). Each format's write-up is in `<name>/report.md`.", ""]
     if ref is not None:
-        fig = plot_reference(ref_dir, unigram); fig.savefig(out / "reference.png", dpi=110); plt.close(fig)
+        fig = plot_reference(ref, unigram); fig.savefig(out / "reference.png", dpi=110); plt.close(fig)
         tps = ref.summary.get("tokens_per_sec")
         L += [f"The reference ran {ref.summary.get('final_step')} steps at {fmt_num(tps, ',.0f')} tokens/s (median step); "
               f"its validation loss {fmt_num(ref.last('val/loss'))} nats/token against the unigram baseline "
@@ -232,6 +235,7 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
     formats = [get_format(f).name for f in (formats or SEED_ORDER)]
     data_dir = ensure_data(data_dir or None, out)
     ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode)
+    ref_run = load_run(ref)
     from altgrad.data import unigram_baseline
     uni = unigram_baseline(data_dir)
     note = ("Master weights: FP32 (each 8-bit layer's weights are re-quantized from an FP32 copy every step)."
@@ -249,12 +253,13 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
             print(f"[altgrad-sweep] {name} ({time.time() - t0:.0f} s)", flush=True)
             run_notebook(fmt, out, rules=rules, tag=tag, **common)
         names.append(name)
-        return run_summary(load_run(out / name / "run"), load_run(ref))
+        run = load_run(out / name / "run")
+        return run_summary(run, ref_run), run
 
     for fmt in formats:
-        s = one(fmt)
+        s, run = one(fmt)
         if retry and s["verdict"] != "PASS":
-            tag, rules = retry_rules(fmt, out / fmt / "run", load_run(out / fmt / "run").config.get("n_layer"))
+            tag, rules = retry_rules(fmt, run.dir, run.config.get("n_layer"))
             print(f"[altgrad-sweep] {fmt}: {s['verdict']}; retrying as {run_name(fmt, tag)} with rules {rules}", flush=True)
             one(fmt, rules, tag)
         write_summary(out, names, ref, preset, steps, seed, note, uni)
@@ -262,11 +267,11 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
 
 def _finished(dest: Path, steps: int, seed: int, master_weights: str = "fp32") -> bool:
     "A format run in `dest` with a write-up, of this length, seed and master weights, that ended normally or by the NaN policy."
-    try:
-        summ = json.loads((dest / "run" / "summary.json").read_text())
-        cfg = load_run(dest / "run").config
-    except (OSError, ValueError): return False
-    return ((dest / "report.md").exists() and summ.get("max_steps") == steps and cfg.get("seed") == seed
+    import yaml
+    summ = _read_summary(dest / "run")
+    try: cfg = yaml.safe_load((dest / "run" / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError): return False
+    return (summ is not None and (dest / "report.md").exists() and summ.get("max_steps") == steps and cfg.get("seed") == seed
             and cfg.get("master_weights", "fp32") == master_weights
             and summ.get("stopped_reason") in ("max_steps", "nan"))
 

@@ -164,7 +164,7 @@ def _train_step(self: Trainer) -> dict:
     if finite:
         before = snapshot_params(model)
         if cfg.grad_clip > 0: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        if q is not None: q.quant_pre_step(model)
+        if q is not None: q.quant_pre_step(model, before)
         self.optimizer.step()
         if q is not None: m.update(q.quant_post_step(model) or {})
         m.update(zero_update_metrics(before, model))
