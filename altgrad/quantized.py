@@ -13,15 +13,29 @@ import torch.nn.functional as F
 from .formats import COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_mode, get_format, quantize
 from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale
 from .diagnostics import bit_histogram, range_edges, stall_counts
+from .grid import WEIGHT_UPDATES, RESIDUAL_DTYPES, land, regrid_scale, store_residual, update_stats, stats_dict, STAT_FIELDS
 
 # %% auto #0
-__all__ = ['SCALINGS', 'MASTER_WEIGHTS', 'saturating', 'count_range', 'TensorQuantizer', 'QuantizedLinear', 'LayerPrecisionRule',
-           'quantize_model', 'quantize_model_from_config', 'quantized_layers', 'quant_pre_step', 'quant_post_step',
-           'quant_metrics', 'quant_histograms']
+__all__ = ['SCALINGS', 'MASTER_WEIGHTS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer',
+           'QuantizedLinear', 'LayerPrecisionRule', 'quantize_model', 'quantize_model_from_config', 'quantized_layers',
+           'quant_pre_step', 'quant_post_step', 'commit_amax', 'set_accumulation', 'quant_metrics', 'quant_histograms']
 
 # %% ../nbs/20_quantized.ipynb #5b149faf
 SCALINGS = ("delayed", "current")
 MASTER_WEIGHTS = ("fp32", "format")
+ROUNDINGS = ("nearest", "stochastic")
+
+def sr_generator(seed: int, *ids: int) -> torch.Generator:
+    "A CPU generator seeded from `(seed, *ids)` (e.g. run seed, layer, step): stochastic rounding reproducible on resume."
+    h = (int(seed) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % (1 << 63)
+    for i in ids: h = ((h ^ int(i)) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (1 << 63)
+    return torch.Generator().manual_seed(h)
+
+def _lazy_load(module: nn.Module, state_dict: dict, prefix: str, names):
+    "Reshape lazily shaped buffers `names` of `module` to the saved shapes before `load_state_dict` copies into them."
+    for n in names:
+        v = state_dict.get(prefix + n)
+        if v is not None: setattr(module, n, torch.zeros(v.shape, dtype=v.dtype, device=getattr(module, n).device))
 
 def _fmt_spec(f: FP8Format) -> dict:
     "A format as plain data (for checkpoints)."
@@ -74,8 +88,11 @@ def count_range(x: torch.Tensor, q: torch.Tensor, s, fmt) -> torch.Tensor:
 class TensorQuantizer(nn.Module):
     "Format, scaling state (amax history, last scale) and counters of one GEMM operand (W, A or G)."
     def __init__(self, fmt, scaling: str = "delayed", granularity: str = "tensor", block_size: int = 32,
-                 history_len: int = 16, algo: str = "max", delayed_groups: bool = True, saturate: bool = True):
+                 history_len: int = 16, algo: str = "max", delayed_groups: bool = True, saturate: bool = True,
+                 rounding: str = "nearest", margin: int = 0, sr_seed: int = 0):
         super().__init__()
+        if rounding not in ROUNDINGS: raise ValueError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
+        if not isinstance(margin, int) or margin < 0: raise ValueError(f"margin must be an int >= 0, got {margin!r}")
         if scaling not in SCALINGS: raise ValueError(f"scaling={scaling!r} is not one of {SCALINGS}")
         if granularity not in GRANULARITIES: raise ValueError(f"granularity={granularity!r} is not one of {GRANULARITIES}")
         if not isinstance(block_size, int) or block_size < 1: raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -87,6 +104,11 @@ class TensorQuantizer(nn.Module):
         self.delayed = scaling == "delayed" and (granularity == "tensor" or delayed_groups)
         self.history = AmaxHistory(history_len, algo) if self.delayed else None
         self.register_buffer("scale", torch.zeros(0))                                   # last training scale
+        self.rounding, self.margin, self.sr_seed = rounding, margin, int(sr_seed)
+        self.register_buffer("sr_count", torch.zeros((), dtype=torch.int64))            # stochastic roundings so far
+        self._sr_n = 0                                                                  # its python mirror (no syncs)
+        self.defer = False                  # grad accumulation: keep the max amax of the micro-batches, push once per step
+        self._pending: torch.Tensor | None = None
         self.register_buffer("counts", torch.zeros(3, dtype=torch.int64), persistent=False)  # overflow, underflow, non-finite batches
         self.total = 0                      # elements counted since the last `read_counts` (python: no sync)
         self.retain = True                  # keep the last quantized tensor for histograms
@@ -99,25 +121,42 @@ class TensorQuantizer(nn.Module):
         "`(amax of x, scale to use)`: the scale from the history before `x`'s amax is pushed (delayed), else from `x`."
         amax = amax_of(x, self.granularity, self.block_size)
         src = self.history.amax if self.delayed and self.history.initialized else amax
-        scale, _ = compute_scale(src, self.fmt, power_of_two=self.granularity == "block", prev=self._prev(src))
+        scale, _ = compute_scale(src, self.fmt, margin=self.margin, power_of_two=self.granularity == "block", prev=self._prev(src))
         return amax, scale
 
-    def quantize(self, x: torch.Tensor, train: bool = False, cap: bool = False) -> torch.Tensor:
-        "$Q(x; s)$ in float32; `train` records amax, scale and counters; `cap` clamps to the scale's range first."
+    def _generator(self, train: bool) -> torch.Generator | None:
+        "The stream of the next stochastic rounding (training steps only; evaluation rounds to nearest)."
+        if self.rounding != "stochastic" or not train: return None
+        g = sr_generator(self.sr_seed, self._sr_n)
+        self._sr_n += 1; self.sr_count.fill_(self._sr_n)
+        return g
+
+    def quantize(self, x: torch.Tensor, train: bool = False, cap: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """$Q(x; s)$ in float32; `train` records amax, scale and counters; `cap` clamps to the scale's range first.
+
+        `scale` (weights on the grid) quantizes with that scale instead and records no amax: the grid owns it."""
         x = x.detach().float()
-        amax, scale = self.compute_scale(x)
+        if scale is None: amax, scale = self.compute_scale(x)
+        else: amax = None
         s = expand_scale(scale, x, self.granularity, self.block_size)
         if cap:
             lim = self.fmt.max_value / s
             x = torch.clamp(x, -lim, lim)
-        q = quantize(x, self.qfmt, s)
+        gen = self._generator(train)
+        q = quantize(x, self.qfmt, s, rounding="stochastic" if gen is not None else "nearest", generator=gen)
         if train:
-            if self.delayed: self.history.update(amax)
+            if self.delayed and amax is not None:
+                if self.defer: self._pending = amax if self._pending is None else torch.maximum(self._pending, amax)
+                else: self.history.update(amax)
             self._buffers["scale"] = scale          # (plain dict write: a buffer assignment per call costs more)
             self.counts += count_range(x, q, s, self.fmt)
             self.total += x.numel()
             if self.retain: self.last = q
         return q
+
+    def commit_history(self):
+        "Push the pending amax (max over this optimizer step's micro-batches) into the history (`defer` mode)."
+        if self._pending is not None: self.history.update(self._pending); self._pending = None
 
     def read_counts(self) -> tuple[torch.Tensor, int]:
         "`(counts tensor [overflow, underflow, non-finite batches], elements)` since the last reset (no sync)."
@@ -132,13 +171,14 @@ class TensorQuantizer(nn.Module):
         self.qfmt = saturating(self.fmt) if self.saturate else self.fmt   # what the casts use
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        s = state_dict.get(prefix + "scale")
-        if s is not None: self.scale = torch.zeros(s.shape, device=self.scale.device)   # lazily shaped buffer
+        _lazy_load(self, state_dict, prefix, ["scale"])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._sr_n = int(self.sr_count)
 
     def extra_repr(self) -> str:
         return f"{self.fmt.name}, {'delayed' if self.delayed else 'current'}, {self.granularity}" + \
-               (f"/{self.block_size}" if self.granularity == "block" else "")
+               (f"/{self.block_size}" if self.granularity == "block" else "") + \
+               (f", rounding={self.rounding}" if self.rounding != "nearest" else "") + (f", margin={self.margin}" if self.margin else "")
 
 # %% ../nbs/20_quantized.ipynb #ed43827b
 class _QuantizedLinearFn(torch.autograd.Function):
@@ -146,7 +186,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
         train = layer.training
-        wq = layer.qw.quantize(weight, train)
+        wq = layer.qw.quantize(weight, train, scale=layer.grid_scale if layer.on_grid else None)
         aq = layer.qa.quantize(x, train)
         y = F.linear(aq, wq, None if bias is None else bias.float())
         ctx.save_for_backward(aq, wq)
@@ -171,29 +211,65 @@ class QuantizedLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, fmt=None, fmt_backward=None,
                  scaling: str = "delayed", granularity: str = "tensor", block_size: int = 32, amax_history_len: int = 16,
                  amax_algo: str = "max", master_weights: str = "fp32", quantize_grads: bool = False, saturate: bool = True,
-                 device=None, dtype=None):
+                 rounding: str = "nearest", margin: int = 0, weight_update: str = "nearest", residual_dtype: str = "fp32",
+                 seed: int = 0, layer_id: int = 0, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         if fmt is None: raise ValueError(f"QuantizedLinear needs fmt=<format>; valid formats: {', '.join(FORMAT_REGISTRY)}")
         if master_weights not in MASTER_WEIGHTS: raise ValueError(f"master_weights={master_weights!r} is not one of {MASTER_WEIGHTS}")
+        if weight_update not in WEIGHT_UPDATES: raise ValueError(f"weight_update={weight_update!r} is not one of {WEIGHT_UPDATES}")
+        if residual_dtype not in RESIDUAL_DTYPES: raise ValueError(f"residual_dtype={residual_dtype!r} is not one of {RESIDUAL_DTYPES}")
+        if weight_update == "kahan" and master_weights != "format":
+            raise ValueError("weight_update='kahan' needs master_weights='format' (with FP32 master weights no update is lost)")
         fmt = get_format(fmt); fmt_bwd = fmt if fmt_backward is None else get_format(fmt_backward)
         kw = dict(scaling=scaling, granularity=granularity, block_size=block_size, history_len=amax_history_len, algo=amax_algo,
-                  saturate=saturate)
+                  saturate=saturate, rounding=rounding, margin=margin)
+        self.seed, self.layer_id = int(seed), int(layer_id)
         self.qw = TensorQuantizer(fmt, delayed_groups=True, **kw)
         self.qa = TensorQuantizer(fmt, delayed_groups=False, **kw)
         self.qg = TensorQuantizer(fmt_bwd, delayed_groups=False, **kw)
         self.qdw = TensorQuantizer(fmt_bwd, delayed_groups=True, **kw) if quantize_grads else None
+        self._seed_quantizers()
         if self.qdw is not None: self.qdw.retain = False
         self.master_weights, self.quantize_grads = master_weights, bool(quantize_grads)
         self.clip_k: float | None = None     # partition-relative clipping of G (altgrad.interventions)
         self.register_buffer("_clipped", torch.zeros((), dtype=torch.int64), persistent=False)  # G entries clipped
         self._snapshot: torch.Tensor | None = None   # weight before the optimizer step
-        self._stall: torch.Tensor | None = None      # [stalled, moved] of the last step
+        self._stall: torch.Tensor | None = None      # update_stats sums of the last step (altgrad.grid.STAT_FIELDS)
+        self.weight_update, self.residual_dtype, self.margin = weight_update, residual_dtype, margin
+        # weights on the grid (master_weights='format'): w = codes / grid_scale; lazily shaped buffers
+        self.register_buffer("grid_scale", torch.zeros(0))     # the weight's own scale (empty: not on the grid yet)
+        self.register_buffer("residual", torch.zeros(0))       # kahan: what rounding lost, in real units
+        self.register_buffer("w_prev", torch.zeros(0))         # the weight before the last step (flip-back)
+        self.register_buffer("updates", torch.zeros((), dtype=torch.int64))   # optimizer steps taken on the grid
         dev = None if device is None or torch.device(device).type == "meta" else device
         if dev is not None: self._move_state(dev)
 
     def _move_state(self, device):
         for q in self.quantizers().values(): q.to(device)
-        self._clipped = self._clipped.to(device)
+        for n in ("_clipped", "grid_scale", "residual", "w_prev", "updates"): setattr(self, n, getattr(self, n).to(device))
+
+    def _seed_quantizers(self):
+        "Each operand its own stochastic-rounding stream: (run seed, layer, operand)."
+        for i, q in enumerate(self.quantizers().values()): q.sr_seed = int(sr_generator(self.seed, self.layer_id, 100 + i).initial_seed())
+
+    def set_seed(self, seed: int, layer_id: int):
+        "Set the run seed and this layer's index (the streams of stochastic rounding derive from both)."
+        self.seed, self.layer_id = int(seed), int(layer_id); self._seed_quantizers()
+
+    @property
+    def on_grid(self) -> bool:
+        "Do the weights live on the grid (master_weights='format') and has the grid been set up?"
+        return self.master_weights == "format" and self.grid_scale.numel() > 0
+
+    @torch.no_grad()
+    def to_grid(self):
+        "Put the weights on the grid: scale from their amax (`margin` honoured), round to nearest, record the amax."
+        q = self.qw; w = self.weight
+        amax = amax_of(w.detach().float(), q.granularity, q.block_size)
+        s, _ = compute_scale(amax, q.fmt, margin=q.margin, power_of_two=q.granularity == "block")
+        w.copy_(quantize(w.detach().float(), q.qfmt, expand_scale(s, w, q.granularity, q.block_size)).to(w.dtype))
+        self.grid_scale = s.to(w.device)
+        if q.delayed: q.history.update(amax_of(w.detach().float(), q.granularity, q.block_size))
 
     def quantizers(self) -> dict[str, TensorQuantizer]:
         "The operand quantizers by role: w, a, g (and dw with `quantize_grads`)."
@@ -224,6 +300,7 @@ class QuantizedLinear(nn.Linear):
 
     @torch.compiler.disable          # eager inside a compiled model: the layer has Python-side state
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.master_weights == "format" and not self.on_grid: self.to_grid()
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)
@@ -240,6 +317,10 @@ class QuantizedLinear(nn.Linear):
             g = gc
         return self.qg.quantize(g, train, cap=self.clip_k is not None and self.qg.delayed)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        _lazy_load(self, state_dict, prefix, ["grid_scale", "residual", "w_prev"])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def get_extra_state(self) -> dict:
         return dict(fmt=_fmt_spec(self.qw.fmt), fmt_backward=_fmt_spec(self.qg.fmt), clip_k=self.clip_k)
 
@@ -251,6 +332,8 @@ class QuantizedLinear(nn.Linear):
         s = super().extra_repr() + f", fmt={self.qw.fmt.name}"
         if self.qg.fmt != self.qw.fmt: s += f", fmt_backward={self.qg.fmt.name}"
         s += f", master_weights={self.master_weights!r}" + (", quantize_grads=True" if self.quantize_grads else "")
+        if self.master_weights == "format": s += f", weight_update={self.weight_update!r}"
+        if self.weight_update == "kahan": s += f", residual_dtype={self.residual_dtype!r}"
         return s + (f", clip_k={self.clip_k:g}" if self.clip_k is not None else "")
 
 # %% ../nbs/20_quantized.ipynb #7c399e25
@@ -307,6 +390,7 @@ def quantize_model(model: nn.Module, format=None, rules=None, quantize_tied: boo
         if not h and format is None:
             warnings.warn(f"rule {r.pattern!r} -> {r.fmt.name if r.fmt else None} matched no linear layer "
                           f"(names look like {next((n for n, m in model.named_modules() if isinstance(m, nn.Linear)), '?')!r})")
+    for i, (name, new) in enumerate(todo): new.set_seed(new.seed, i)   # layer index: its own random streams
     for name, new in todo:                                  # collect first, then modify
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
@@ -319,7 +403,8 @@ def quantize_model_from_config(model: nn.Module, cfg) -> nn.Module:
     if cfg.fmt is not None and not any(r[0] == "*" for r in rules): rules.append(["*", cfg.fmt])
     return quantize_model(model, rules=rules, fmt_backward=cfg.fmt_backward, scaling=cfg.scaling, granularity=cfg.granularity,
                           block_size=cfg.block_size_q, amax_history_len=cfg.amax_history_len, amax_algo=cfg.amax_algo,
-                          master_weights=cfg.master_weights, quantize_grads=cfg.quantize_grads)
+                          master_weights=cfg.master_weights, quantize_grads=cfg.quantize_grads, rounding=cfg.rounding,
+                          margin=cfg.margin, weight_update=cfg.weight_update, residual_dtype=cfg.residual_dtype, seed=cfg.seed)
 
 def quantized_layers(model: nn.Module) -> list[tuple[str, QuantizedLinear]]:
     "`(name, layer)` of every `QuantizedLinear` in `model`."
@@ -343,41 +428,87 @@ def quant_pre_step(model: nn.Module, snapshot: dict[str, torch.Tensor] | None = 
 
 @torch.no_grad()
 def quant_post_step(model: nn.Module) -> dict:
-    "After `optimizer.step()`: measure bit-stall, round weights onto the grid (`master_weights='format'`). Returns {}."
+    """After `optimizer.step()`: land the weights on the grid (`master_weights='format'`) and measure the update.
+
+    The optimizer proposed `u = w - w_before` (FP32). With weights on the grid, the new scale comes from the *updated*
+    weight (`grid.regrid_scale`: kept while T/4 < amax*s <= T + ulp(T)/2, else moved by a power of two into (T/2, T]),
+    `w_before + u` lands on that grid by the layer's `weight_update` rule (`grid.land`), and the new amax goes into the
+    W quantizer's history. Every layer then records `grid.update_stats` of the step: measured stall (the quantized
+    weight did not change; with FP32 master weights, under the scale the last forward used), `r = |u|/ulp`, fidelity
+    of the stored weight, flip-back, zero/subnormal codes and the kahan residual. Returns {}."""
     for _, m in quantized_layers(model):
         before, m._snapshot = m._snapshot, None
-        q = m.qw
-        if before is None or q.scale.numel() == 0: continue
-        w = m.weight
-        m._stall = stall_counts(before, w.detach() - before, q.qfmt, q.scale, q.granularity, q.block_size)
-        if m.master_weights == "format":
-            w.copy_(quantize(w.detach().float(), q.qfmt, expand_scale(q.scale, w, q.granularity, q.block_size)).to(w.dtype))
+        q, w = m.qw, m.weight
+        if before is None: continue
+        u = w.detach().float() - before.float()
+        if m.on_grid:
+            s_old = m.grid_scale
+            res = m.residual.float() if m.weight_update == "kahan" and m.residual.shape == w.shape else None
+            aim = w.detach().float() if res is None else w.detach().float() + res      # the value that lands
+            s_new = regrid_scale(amax_of(aim, q.granularity, q.block_size), s_old, q.fmt, q.margin, m.weight_update)
+            gen = sr_generator(m.seed, m.layer_id, int(m.updates)) if m.weight_update == "stochastic" else None
+            w_new, c = land(before, u, q.qfmt, expand_scale(s_new, w, q.granularity, q.block_size), m.weight_update, res, gen)
+            w.copy_(w_new.to(w.dtype))
+            if c is not None: m.residual = store_residual(c, m.residual_dtype, q.fmt)
+            m.grid_scale = s_new
+            if q.delayed: q.history.update(amax_of(w_new, q.granularity, q.block_size))
+            se = expand_scale(s_old, w, q.granularity, q.block_size)
+            prev = m.w_prev if m.w_prev.shape == w.shape else None
+            m._stall = update_stats(before, u, w_new, q.qfmt, se, w_prev2=prev, residual=c)
+            m.w_prev = before
+            m.updates += 1
+        elif q.scale.numel():
+            se = expand_scale(q.scale, w, q.granularity, q.block_size)
+            st = update_stats(before, u, w.detach(), q.qfmt, se)      # fidelity of the stored (FP32) weight
+            st[1] = stall_counts(before, u, q.qfmt, se)[0].to(st)     # stall of the quantized view the forward uses
+            m._stall = st
     return {}
 
+def commit_amax(model: nn.Module):
+    "End of an optimizer step's micro-batches: push each deferred amax into its history (see `set_accumulation`)."
+    for _, m in quantized_layers(model):
+        for q in m.quantizers().values(): q.commit_history()
+
+def set_accumulation(model: nn.Module, on: bool):
+    "With gradient accumulation, amax histories count optimizer steps, not micro-batches: defer pushes to `commit_amax`."
+    for _, m in quantized_layers(model):
+        for q in m.quantizers().values(): q.defer = bool(on)
+
+_UPDATE_KEYS = ("stall", "pred_stall", "update_ratio", "rho", "lost_update", "flip_back", "zero_frac", "residual_ulp")
+
 def quant_metrics(model: nn.Module) -> dict:
-    "Overflow/underflow rates per layer and operand, bit-stall, clipping, non-finite flags since the last call (one sync)."
+    "Overflow/underflow rates per layer and operand, update mechanism, clipping, non-finite flags since the last call."
     layers = quantized_layers(model)
     if not layers: return {}
-    rows, meta = [], []
+    rows, meta, upd = [], [], []
     for name, m in layers:
         for role, q in m.quantizers().items():
             c, n = q.read_counts()
             if n: rows.append(c); meta.append((name, role, n, q.qfmt.overflow != "saturate"))
-        if m._stall is not None: rows.append(torch.cat([m._stall, m._stall.new_zeros(1)])); meta.append((name, "stall", 0, False))
+        if m._stall is not None: upd.append((name, m, m._stall))
         if m.clip_k is not None: rows.append(torch.stack([m._clipped, m._clipped, m._clipped])); meta.append((name, "clip", m.qg.total, False))
     vals = torch.stack([r.to(rows[0].device) for r in rows]).tolist() if rows else []
-    out, ovf_max, stalled, moved = {}, 0.0, 0, 0
+    out, ovf_max = {}, 0.0
     for (name, role, n, nonsat), (a, b, c) in zip(meta, vals):
-        if role == "stall":
-            out[f"stall/{name}"] = a / b if b else 0.0; stalled += a; moved += b
-        elif role == "clip":
+        if role == "clip":
             out[f"clip/{name}"] = a / n if n else 0.0
         else:
             out[f"overflow/{name}/{role}"] = a / n; out[f"underflow/{name}/{role}"] = b / n
             ovf_max = max(ovf_max, a / n)
             if c: out[f"nonfinite/{name}/{role}"] = 1.0
             elif a and nonsat: out[f"nonfinite/{name}/{role}"] = 2.0
-    if moved or any(m._stall is not None for _, m in layers): out["stall/total"] = stalled / moved if moved else 0.0
+    if upd:
+        sums = torch.stack([v.to(upd[0][2].device) for *_, v in upd]).tolist()
+        for (name, m, _), v in zip(upd, sums):
+            d = stats_dict(v)
+            for k in _UPDATE_KEYS:
+                if k == "flip_back" and not m.on_grid: continue
+                if k == "residual_ulp" and m.weight_update != "kahan": continue
+                out[f"{k}/{name}"] = d[k]
+        tot = stats_dict([sum(col) for col in zip(*sums)])
+        tot["update_ratio"] = float(torch.tensor([v[STAT_FIELDS.index("r_median")] for v in sums]).median())  # median of layer medians
+        for k in _UPDATE_KEYS:
+            if any(f"{k}/{name}" in out for name, *_ in upd): out[f"{k}/total"] = tot[k]
     out["overflow/max"] = ovf_max
     for _, m in layers:
         for q in m.quantizers().values(): q.reset_counts()

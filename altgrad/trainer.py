@@ -22,7 +22,8 @@ from .metrics import gradient_metrics, snapshot_params, zero_update_metrics, non
 from .diagnostics import DeadNeuronTracker
 
 # %% auto #0
-__all__ = ['lr_at', 'optional_module', 'load_data', 'seed_everything', 'build_model', 'Trainer', 'train_cli', 'bench_train']
+__all__ = ['lr_at', 'optional_module', 'load_data', 'seed_everything', 'build_model', 'Trainer', 'quantized_cosine',
+           'layer_census', 'train_cli', 'bench_train']
 
 # %% ../nbs/17_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -76,7 +77,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
 # %% ../nbs/17_trainer.ipynb #b30a7371
 _RESUME_FIXED = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "batch_size", "grad_accum", "fmt",
                  "fmt_backward", "scaling", "granularity", "block_size_q", "amax_history_len", "amax_algo",
-                 "master_weights", "quantize_grads", "rules")
+                 "master_weights", "quantize_grads", "rules", "rounding", "margin", "optimizer", "weight_update",
+                 "residual_dtype")
 
 class Trainer:
     "Train `cfg`'s GPT on its data: every diagnostic every step, the seeds' NaN policy, checkpoints and exact resume."
@@ -92,6 +94,7 @@ class Trainer:
         if cfg.interventions and itv is None: raise ConfigError("interventions=true needs altgrad.interventions, which this installation lacks")
         self.model = build_model(cfg).to(self.device)
         self.fwd = torch.compile(self.model) if cfg.compile else self.model
+        if self.q is not None: self.q.set_accumulation(self.model, cfg.grad_accum > 1)   # amax histories count optimizer steps
         self.optimizer = self.model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), self.dev_type)
         self.train_gen = torch.Generator().manual_seed(cfg.seed)   # the data order: its own stream
         self.shadow = FP32ShadowModel(self.model) if cfg.shadow else None
@@ -133,6 +136,19 @@ def _archive_checkpoints(ckpt_dir: Path, run_dir: Path):
 def _sync(dev_type: str):
     if dev_type == "cuda": torch.cuda.synchronize()
 
+def quantized_cosine(m: dict, model: nn.Module, q) -> dict:
+    "`grad_cos_sim/quantized_mean`: the mean shadow cosine over the 8-bit layers' weights (the headline cosine)."
+    vals = [m.get(f"grad_cos_sim/{name}.weight") for name, _ in q.quantized_layers(model)]
+    vals = [v for v in vals if v is not None]
+    return {"grad_cos_sim/quantized_mean": sum(vals) / len(vals)} if vals else {}
+
+def layer_census(model: nn.Module, q=None) -> dict:
+    "How many linear layers the model has (a tied LM head excluded: it shares the embedding) and which are 8-bit."
+    tied = q._tied_linears(model) if q is not None else set()
+    linears = [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear) and n not in tied]
+    names = [n for n, _ in q.quantized_layers(model)] if q is not None else []
+    return dict(linear_layers=len(linears), quantized_layers=len(names), quantized_layer_names=names)
+
 def _train_step(self: Trainer) -> dict:
     "Run one optimizer step (or skip it when non-finite); returns the step's metrics."
     cfg, model, q = self.cfg, self.model, self.q
@@ -154,10 +170,13 @@ def _train_step(self: Trainer) -> dict:
             self.shadow.step(x, y, rng_state=rng, loss_scale=1.0 / cfg.grad_accum, zero_grad=micro == 0)
             _sync(self.dev_type); t_shadow += time.perf_counter() - ts
     loss = loss_sum / cfg.grad_accum
+    if q is not None: q.commit_amax(model)
     if self.fault is not None: self.fault(step, model)
 
     m = gradient_metrics(model.named_parameters(), dead=self.dead)
-    if self.shadow is not None: m.update(self.shadow.cosine(model))
+    if self.shadow is not None:
+        m.update(self.shadow.cosine(model))
+        if q is not None: m.update(quantized_cosine(m, model, q))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     finite = torch.stack([loss.isfinite().all()] + [g.isfinite().all() for g in grads]).all().item()
     loss_v = float(loss)
@@ -340,6 +359,7 @@ def _fit(self: Trainer, until: int | None = None) -> dict:
             shadow_time=statistics.median(p[1] for p in perf) if perf and self.shadow is not None else None,
             device=self.device, autocast=str(self.amp_dtype).replace("torch.", "") if self.amp_dtype else None,
             fmt=cfg.fmt, num_params=self.model.num_params() if hasattr(self.model, "num_params") else None,
+            **layer_census(self.model, self.q),
             run_dir=str(self.run_dir), run_id=self.run_id,
             resumed_from=str(self.resumed_from) if self.resumed_from else None)
         atomic_write_text(json.dumps(to_python(summary), indent=1, default=str), self.run_dir / "summary.json")
