@@ -57,6 +57,7 @@ class TrainConfig:
     margin: int = 0                # compute_scale margin: amax maps to fmt.max_value / 2**margin
     # --- weight update rules (altgrad.grid, altgrad.optim) ---
     optimizer: str = "adamw"       # base rule proposing the FP32 update u: 'adamw' | 'madam' | 'lion'
+    lr_scale: float | None = None  # optimizer lr = schedule lr * lr_scale; None: the rule's default (altgrad.optim.default_lr_scale)
     weight_update: str = "nearest" # how w + u lands on the grid (master_weights='format'): 'nearest' | 'stochastic' | 'kahan'
     residual_dtype: str = "fp32"   # storage of the kahan residual: 'fp32' | 'bf16' | 'format' (8 bits with its own scale)
     rules: list = field(default_factory=list)  # [[pattern, fmt-or-None], ...] per-parameter format overrides
@@ -140,7 +141,7 @@ _RANGES = {
         "eval_iters", "nan_patience", "divergence_patience", "dead_neuron_window", "log_interval", "lr_decay_steps")},
     **{k: (0, None, True, True) for k in ("warmup_steps", "seed", "margin", "min_lr", "weight_decay",
         "grad_clip", "dead_neuron_threshold")},
-    "lr": (0, None, False, True),
+    "lr": (0, None, False, True), "lr_scale": (0, None, False, True),
     "dropout": (0, 1, True, False),
     "beta1": (0, 1, True, False), "beta2": (0, 1, True, False),
     "bit_stall_threshold": (0, 1, True, True), "overflow_threshold": (0, 1, True, True),

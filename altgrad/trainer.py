@@ -20,10 +20,11 @@ from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state,
 from .shadow import FP32ShadowModel, rng_snapshot
 from .metrics import gradient_metrics, snapshot_params, zero_update_metrics, nonfinite_sources, DivergenceDetector
 from .diagnostics import DeadNeuronTracker
+from .optim import build_optimizer, default_lr_scale
 
 # %% auto #0
-__all__ = ['lr_at', 'optional_module', 'load_data', 'seed_everything', 'build_model', 'Trainer', 'quantized_cosine',
-           'layer_census', 'train_cli', 'bench_train']
+__all__ = ['lr_at', 'optional_module', 'load_data', 'seed_everything', 'build_model', 'Trainer', 'lr_scale_of', 'grid_params',
+           'quantized_cosine', 'layer_census', 'train_cli', 'bench_train']
 
 # %% ../nbs/17_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -95,7 +96,10 @@ class Trainer:
         self.model = build_model(cfg).to(self.device)
         self.fwd = torch.compile(self.model) if cfg.compile else self.model
         if self.q is not None: self.q.set_accumulation(self.model, cfg.grad_accum > 1)   # amax histories count optimizer steps
-        self.optimizer = self.model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), self.dev_type)
+        self.lr_scale = lr_scale_of(cfg)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.lr * self.lr_scale, cfg.weight_decay, (cfg.beta1, cfg.beta2),
+                                         self.dev_type, grid_params=grid_params(self.model, cfg, self.q),
+                                         **({"seed": cfg.seed} if cfg.optimizer == "madam" else {}))
         self.train_gen = torch.Generator().manual_seed(cfg.seed)   # the data order: its own stream
         self.shadow = FP32ShadowModel(self.model) if cfg.shadow else None
         self.dead = DeadNeuronTracker(cfg.dead_neuron_threshold, cfg.dead_neuron_window)
@@ -136,6 +140,18 @@ def _archive_checkpoints(ckpt_dir: Path, run_dir: Path):
 def _sync(dev_type: str):
     if dev_type == "cuda": torch.cuda.synchronize()
 
+def lr_scale_of(cfg) -> float:
+    "Factor from the schedule's `lr` to the optimizer's: `cfg.lr_scale`, or the base rule's default (`optim.default_lr_scale`)."
+    return cfg.lr_scale if cfg.lr_scale is not None else default_lr_scale(cfg.optimizer)
+
+def grid_params(model: nn.Module, cfg, q=None) -> dict | None:
+    "Madam on exponent-only grids (E7M0) with the weights on the grid: the integer-exponent (LNS-Madam) form, whole codes."
+    if cfg.optimizer != "madam" or q is None or cfg.master_weights != "format": return None
+    out = {m.weight: dict(integer_exponent=True, exp_rounding="stochastic" if cfg.weight_update == "stochastic" else "nearest",
+                          seed=cfg.seed + 1000 * i)
+           for i, (_, m) in enumerate(q.quantized_layers(model)) if m.fmt.man_bits == 0}
+    return out or None
+
 def quantized_cosine(m: dict, model: nn.Module, q) -> dict:
     "`grad_cos_sim/quantized_mean`: the mean shadow cosine over the 8-bit layers' weights (the headline cosine)."
     vals = [m.get(f"grad_cos_sim/{name}.weight") for name, _ in q.quantized_layers(model)]
@@ -154,7 +170,7 @@ def _train_step(self: Trainer) -> dict:
     cfg, model, q = self.cfg, self.model, self.q
     step = self.step + 1
     t0 = time.perf_counter()
-    lr = lr_at(step, cfg)
+    lr = lr_at(step, cfg) * self.lr_scale
     for group in self.optimizer.param_groups: group["lr"] = lr
     if self.shadow is not None: self.shadow.sync(model)
     loss_sum, t_shadow, self.batches = 0.0, 0.0, []
