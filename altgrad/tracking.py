@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['DEFAULT_COOLDOWNS', 'to_python', 'encode_json', 'decode_json', 'read_metrics', 'read_wandb_records',
-           'wandb_run_files', 'read_wandb_history', 'read_wandb_alerts', 'read_wandb_run_ids', 'wandb_logged_in',
-           'resolve_wandb_mode', 'Tracker', 'read_alerts', 'find_breaches']
+__all__ = ['METRICS_JSONL', 'METRICS_COMPACT', 'DEFAULT_COOLDOWNS', 'to_python', 'encode_json', 'decode_json', 'read_metrics',
+           'write_metrics_compact', 'compact_info', 'read_metrics_compact', 'metrics_file', 'same_records',
+           'compact_metrics', 'read_wandb_records', 'wandb_run_files', 'read_wandb_history', 'read_wandb_alerts',
+           'read_wandb_run_ids', 'wandb_logged_in', 'resolve_wandb_mode', 'Tracker', 'read_alerts', 'find_breaches']
 
 # %% ../nbs/15_tracking.ipynb #e39ad7c7
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -48,10 +49,9 @@ def decode_json(v):
     return v
 
 # %% ../nbs/15_tracking.ipynb #4e16a11f
-def read_metrics(path: str | os.PathLike, merge: bool = False) -> list[dict]:
-    "Records of a `metrics.jsonl` file (non-finite strings decoded to floats); `merge=True`: one record per step."
-    path = Path(path)
-    if path.is_dir(): path = path / "metrics.jsonl"
+METRICS_JSONL, METRICS_COMPACT = "metrics.jsonl", "metrics.parquet"
+
+def _read_jsonl(path: Path) -> list[dict]:
     out = []
     lines = path.read_text().splitlines()
     for i, line in enumerate(lines):
@@ -60,10 +60,121 @@ def read_metrics(path: str | os.PathLike, merge: bool = False) -> list[dict]:
         except json.JSONDecodeError:
             if i == len(lines) - 1: warnings.warn(f"{path}: skipping a truncated last line (run interrupted mid-write?)")
             else: raise
+    return out
+
+def read_metrics(path: str | os.PathLike, merge: bool = False) -> list[dict]:
+    """Records of a run's metrics (non-finite strings decoded to floats); `merge=True`: one record per step.
+
+    `path`: a `metrics.jsonl`, a `metrics.parquet`, or a run folder (then `metrics_file` picks the file)."""
+    path = Path(path)
+    if path.is_dir():
+        f = metrics_file(path)
+        if f is None: raise FileNotFoundError(f"{path} holds neither {METRICS_JSONL} nor {METRICS_COMPACT}: is it a run folder?")
+        path = f
+    out = read_metrics_compact(path) if path.suffix == ".parquet" else _read_jsonl(path)
     if not merge: return out
     by_step: dict = {}
     for r in out: by_step.setdefault(r["step"], {}).update(r)
     return [by_step[s] for s in sorted(by_step)]
+
+# %% ../nbs/15_tracking.ipynb #ceea8622
+_META_KEY = b"altgrad.metrics"
+_ABSENT = object()
+
+def _column(vals: list):
+    "(pyarrow array, is_json) storing `vals` (`_ABSENT` = key not in that record) without loss."
+    import pyarrow as pa
+    present = [v for v in vals if v is not _ABSENT]
+    mask = np.array([v is _ABSENT for v in vals])
+    kinds = {type(v) for v in present}
+    if kinds == {bool}: return pa.array([None if v is _ABSENT else v for v in vals], pa.bool_()), False
+    if kinds == {int} and all(-2**63 <= v < 2**63 for v in present):
+        return pa.array([None if v is _ABSENT else v for v in vals], pa.int64()), False
+    if kinds == {float}:
+        a = np.array([0.0 if v is _ABSENT else v for v in vals], dtype=np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            a32 = a.astype(np.float32)
+            lossless = np.array_equal(a32.astype(np.float64), a, equal_nan=True) and np.array_equal(np.signbit(a32), np.signbit(a))
+        return pa.array(a32 if lossless else a, mask=mask), False
+    if kinds == {str}: return pa.array([None if v is _ABSENT else v for v in vals], pa.string()), False
+    return pa.array([None if v is _ABSENT else json.dumps(encode_json(v), allow_nan=False) for v in vals], pa.string()), True
+
+def write_metrics_compact(records: list[dict], path: str | os.PathLike, source_bytes: int | None = None) -> Path:
+    "Write `records` (as `read_metrics` returns them) to a zstd Parquet file at `path` (atomically); see above."
+    import pyarrow as pa, pyarrow.parquet as pq
+    path = Path(path)
+    keys = list(dict.fromkeys(k for r in records for k in r))
+    cols, json_cols = {}, []
+    for k in keys:
+        cols[k], is_json = _column([r.get(k, _ABSENT) for r in records])
+        if is_json: json_cols.append(k)
+    meta = dict(version=1, records=len(records), json=json_cols, source_bytes=source_bytes)
+    table = pa.table(cols).replace_schema_metadata({_META_KEY: json.dumps(meta).encode()})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, tmp, compression="zstd", compression_level=9, use_dictionary=False, write_statistics=False)
+    os.replace(tmp, path)
+    return path
+
+def compact_info(path: str | os.PathLike) -> dict:
+    "The altgrad metadata of a compact metrics file: version, records, json columns, source_bytes."
+    import pyarrow.parquet as pq
+    md = pq.read_schema(path).metadata or {}
+    if _META_KEY not in md: raise ValueError(f"{path} is not an altgrad compact metrics file (no {_META_KEY.decode()} metadata)")
+    return json.loads(md[_META_KEY])
+
+def read_metrics_compact(path: str | os.PathLike) -> list[dict]:
+    "Records of a compact metrics file, identical to those of the JSONL it was made from."
+    try: import pyarrow.parquet as pq
+    except ImportError: raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    t = pq.read_table(path)
+    md = t.schema.metadata or {}
+    if _META_KEY not in md: raise ValueError(f"{path} is not an altgrad compact metrics file (no {_META_KEY.decode()} metadata)")
+    json_cols = set(json.loads(md[_META_KEY]).get("json", []))
+    out = [{} for _ in range(t.num_rows)]
+    for name in t.column_names:
+        vals = t.column(name).to_pylist()
+        if name in json_cols:
+            for r, v in zip(out, vals):
+                if v is not None: r[name] = decode_json(json.loads(v))
+        else:
+            for r, v in zip(out, vals):
+                if v is not None: r[name] = v
+    return out
+
+def metrics_file(run_dir: str | os.PathLike) -> Path | None:
+    "The file holding `run_dir`'s metrics: `metrics.jsonl` unless the compact file was made from exactly it (or it is gone)."
+    d = Path(run_dir); j, c = d / METRICS_JSONL, d / METRICS_COMPACT
+    if c.exists():
+        if not j.exists(): return c
+        try:
+            if compact_info(c).get("source_bytes") == j.stat().st_size: return c
+        except Exception: pass
+    return j if j.exists() else None
+
+def _same_value(a, b) -> bool:
+    if type(a) is not type(b): return False
+    if isinstance(a, float): return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+    if isinstance(a, list): return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict): return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return a == b
+
+def same_records(a: list[dict], b: list[dict]) -> bool:
+    "True when two record lists are identical: same keys, same types, same values (NaN equal to NaN, -0.0 to -0.0)."
+    return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+
+def compact_metrics(run_dir: str | os.PathLike, remove_jsonl: bool = False, check: bool = True) -> Path:
+    "Write `run_dir/metrics.parquet` from `run_dir/metrics.jsonl` (checking the round trip); optionally delete the JSONL."
+    d = Path(run_dir); j = d / METRICS_JSONL
+    if not j.exists():
+        if (d / METRICS_COMPACT).exists(): return d / METRICS_COMPACT
+        raise FileNotFoundError(f"{d} holds no {METRICS_JSONL} to compact")
+    size = j.stat().st_size
+    recs = _read_jsonl(j)
+    p = write_metrics_compact(recs, d / METRICS_COMPACT, source_bytes=size)
+    if check and not same_records(read_metrics_compact(p), recs):
+        p.unlink(); raise RuntimeError(f"{p}: the compact records differ from {j}; removed it (please report this bug)")
+    if remove_jsonl: j.unlink()
+    return p
 
 # %% ../nbs/15_tracking.ipynb #ba45286f
 _WB_BLOCK, _WB_HEADER = 32768, 7
@@ -169,11 +280,13 @@ def _new_id() -> str: return uuid.uuid4().hex[:8]
 
 # %% ../nbs/15_tracking.ipynb #10ea168f
 class Tracker:
-    "Log metrics every step to W&B and `run_dir/metrics.jsonl`; rate-limited alerts to W&B, console and `alerts.jsonl`."
+    "Log metrics every step to W&B and `run_dir/metrics.jsonl` (+ `metrics.parquet` at `finish`); alerts to W&B, console and `alerts.jsonl`."
     def __init__(self, run_dir: str | os.PathLike, config: dict | None = None, project: str = "altgrad",
                  name: str | None = None, tags=(), mode: str = "offline", run_id: str | None = None,
                  resume: bool = False, cooldowns: dict | None = None, default_cooldown: float = 300.0,
-                 console: bool = True, clock: Callable[[], float] = time.monotonic, settings: dict | None = None):
+                 console: bool = True, clock: Callable[[], float] = time.monotonic, settings: dict | None = None,
+                 compact: bool = True):
+        self.compact = compact
         self.run_dir = Path(run_dir); self.run_dir.mkdir(parents=True, exist_ok=True)
         if config is not None and hasattr(config, "to_dict"): config = config.to_dict()
         self.config, self.project, self.name, self.tags = dict(config or {}), project, name, list(tags)
@@ -202,13 +315,13 @@ class Tracker:
         except (OSError, ValueError): return None
 
     def _archive_old_logs(self):
-        "A new (not resumed) run in a used folder: move the previous run's JSONL files aside instead of mixing them."
+        "A new (not resumed) run in a used folder: move the previous run's metric files aside instead of mixing them."
         old_id = self._saved_run_id() or time.strftime("%Y%m%d_%H%M%S")
-        for stem in ("metrics", "alerts"):
-            p = self.run_dir / f"{stem}.jsonl"
+        for stem, ext in (("metrics", "jsonl"), ("alerts", "jsonl"), ("metrics", "parquet")):
+            p = self.run_dir / f"{stem}.{ext}"
             if p.exists() and p.stat().st_size:
-                dst = self.run_dir / f"{stem}.{old_id}.jsonl"
-                if dst.exists(): dst = self.run_dir / f"{stem}.{old_id}.{_new_id()}.jsonl"
+                dst = self.run_dir / f"{stem}.{old_id}.{ext}"
+                if dst.exists(): dst = self.run_dir / f"{stem}.{old_id}.{_new_id()}.{ext}"
                 os.replace(p, dst); warnings.warn(f"{p} belonged to an earlier run; moved to {dst.name}")
 
     def _save_meta(self):
@@ -273,10 +386,13 @@ Tracker.log = _log
 
 # %% ../nbs/15_tracking.ipynb #bf4d6942
 def _finish(self: Tracker, exit_code: int | None = None):
-    "Close the JSONL files and finish the W&B run (idempotent)."
+    "Close the JSONL files, write the compact `metrics.parquet` and finish the W&B run (idempotent)."
     if self._finished: return
     self._finished = True
     for f in (self._metrics_f, self._alerts_f): f.close()
+    if self.compact and (self.run_dir / METRICS_JSONL).stat().st_size:
+        try: compact_metrics(self.run_dir)
+        except Exception as e: warnings.warn(f"could not write {METRICS_COMPACT} ({type(e).__name__}: {e}); {METRICS_JSONL} is complete")
     if self.run is not None:
         try: self.run.finish(exit_code=exit_code)
         except Exception as e: warnings.warn(f"wandb finish failed: {type(e).__name__}: {e}")
@@ -323,14 +439,19 @@ def _num(v):
 def _leaf_match(key: str, names) -> bool: return key in names or any(key.endswith("/" + n) for n in names)
 
 def find_breaches(metrics: dict, cfg=None, *, bit_stall_threshold: float = 0.5, overflow_threshold: float = 0.01,
-                  loss_keys=("loss",), stall_prefixes=("stall/",), overflow_prefixes=("overflow/",),
+                  master_weights: str | None = None, loss_keys=("loss",), stall_prefixes=("stall/",),
+                  lost_update_prefixes=("lost_update/",), overflow_prefixes=("overflow/",),
                   underflow_prefixes=("underflow/",), divergence_keys=("divergence",),
                   dead_keys=("dead_neurons",), max_listed: int = 5) -> list[dict]:
-    "Breached stability thresholds in one step's `metrics`: dicts with kind, level, title, text, keys."
+    """Breached stability thresholds in one step's `metrics`: dicts with kind, level, title, text, keys.
+
+    Bit-stall is checked only when the weights live on the 8-bit grid (`master_weights`, else `cfg.master_weights`,
+    else 'fp32': not checked); lost update (`lost_update/*`) always, against `bit_stall_threshold`."""
     get = (lambda k, d: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d: getattr(cfg, k, d))
     if cfg is not None:
         bit_stall_threshold = get("bit_stall_threshold", bit_stall_threshold)
         overflow_threshold = get("overflow_threshold", overflow_threshold)
+    if master_weights is None: master_weights = get("master_weights", "fp32") if cfg is not None else "fp32"
     nums = {k: _num(v) for k, v in metrics.items()}
     nums = {k: v for k, v in nums.items() if v is not None}
     out = []
@@ -340,9 +461,11 @@ def find_breaches(metrics: dict, cfg=None, *, bit_stall_threshold: float = 0.5, 
         out.append(dict(kind=kind, level=level, title=title, text=shown, keys=keys))
     bad_loss = [k for k, v in nums.items() if _leaf_match(k, loss_keys) and not math.isfinite(v)]
     if bad_loss: add("nan", "ERROR", "Non-finite loss", bad_loss, str)
-    for kind, prefixes, th, name in (("bit_stall", stall_prefixes, bit_stall_threshold, "bit-stall rate"),
-                                     ("overflow", overflow_prefixes, overflow_threshold, "overflow rate"),
-                                     ("underflow", underflow_prefixes, overflow_threshold, "underflow rate")):
+    checks = [("bit_stall", stall_prefixes, bit_stall_threshold, "bit-stall rate, weights on the 8-bit grid,")] if master_weights == "format" else []
+    checks += [("lost_update", lost_update_prefixes, bit_stall_threshold, "lost-update share"),
+               ("overflow", overflow_prefixes, overflow_threshold, "overflow rate"),
+               ("underflow", underflow_prefixes, overflow_threshold, "underflow rate")]
+    for kind, prefixes, th, name in checks:
         hit = [k for k, v in nums.items() if k.startswith(tuple(prefixes)) and v > th]
         if hit: add(kind, "WARN", f"High {name} (> {th:.3g})", hit, lambda v: f"{v:.3g}")
     div = [k for k, v in nums.items() if _leaf_match(k, divergence_keys) and v]
