@@ -10,8 +10,9 @@ from .formats import FP8Format, get_format, quantize
 from .scaling import SCALE_MIN, SCALE_MAX
 
 # %% auto #0
-__all__ = ['WEIGHT_UPDATES', 'RESIDUAL_DTYPES', 'RESIDUAL_BYTES', 'STAT_FIELDS', 'grid_magnitude', 'grid_steps', 'grid_ulp',
-           'check_rule', 'land', 'store_residual', 'regrid_scale', 'update_stats', 'stats_dict']
+__all__ = ['WEIGHT_UPDATES', 'RESIDUAL_DTYPES', 'RESIDUAL_BYTES', 'STAT_FIELDS', 'R_EDGES', 'grid_magnitude', 'grid_steps',
+           'grid_ulp', 'check_rule', 'land', 'store_residual', 'regrid_scale', 'update_stats', 'stats_dict',
+           'ratio_histogram']
 
 # %% ../nbs/04_grid.ipynb #8c7f11d5
 def _scale_t(scale, like: torch.Tensor) -> torch.Tensor:
@@ -122,3 +123,13 @@ def stats_dict(v) -> dict[str, float]:
                 lost_update=1.0 - rho, update_ratio=d["r_median"], flip_back=d["flip_back"] / d["flip_base"] if d["flip_base"] else 0.0,
                 zero_frac=d["zero_sub"] / d["numel"] if d["numel"] else 0.0,
                 residual_ulp=math.sqrt(d["resid_ulp_sq"] / d["numel"]) if d["numel"] else 0.0)
+
+# %% ../nbs/04_grid.ipynb #1906db09
+R_EDGES = tuple(x / 2 for x in range(-32, 17))           # log2 r bin edges: 2^-16 ... 2^8, half a binade apart
+
+def ratio_histogram(w: torch.Tensor, u: torch.Tensor, fmt, scale=1.0) -> torch.Tensor:
+    "int64 counts of log2(|u|/ulp) over the elements with u != 0, in the bins of `R_EDGES` (ends clamped)."
+    u = u.detach().float(); moved = u != 0
+    lr = torch.log2(u[moved].abs() / grid_ulp(w.detach().float(), u, fmt, scale)[moved])
+    lo, hi = R_EDGES[0], R_EDGES[-1]
+    return torch.histc(lr.clamp(lo, hi - 1e-6), bins=len(R_EDGES) - 1, min=lo, max=hi).long()

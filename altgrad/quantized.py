@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from .formats import COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_mode, get_format, quantize
 from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale
 from .diagnostics import bit_histogram, range_edges, stall_counts
-from .grid import WEIGHT_UPDATES, RESIDUAL_DTYPES, land, regrid_scale, store_residual, update_stats, stats_dict, STAT_FIELDS
+from .grid import (WEIGHT_UPDATES, RESIDUAL_DTYPES, land, regrid_scale, store_residual, update_stats, stats_dict, STAT_FIELDS,
+                          ratio_histogram)
 
 # %% auto #0
 __all__ = ['SCALINGS', 'MASTER_WEIGHTS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer',
@@ -234,6 +235,7 @@ class QuantizedLinear(nn.Linear):
         self.clip_k: float | None = None     # partition-relative clipping of G (altgrad.interventions)
         self.register_buffer("_clipped", torch.zeros((), dtype=torch.int64), persistent=False)  # G entries clipped
         self._snapshot: torch.Tensor | None = None   # weight before the optimizer step
+        self._last_update = None                     # (w_before, u, scale) of the last step: r histograms
         self._stall: torch.Tensor | None = None      # update_stats sums of the last step (altgrad.grid.STAT_FIELDS)
         self.weight_update, self.residual_dtype, self.margin = weight_update, residual_dtype, margin
         # weights on the grid (master_weights='format'): w = codes / grid_scale; lazily shaped buffers
@@ -455,6 +457,7 @@ def quant_post_step(model: nn.Module) -> dict:
             se = expand_scale(s_old, w, q.granularity, q.block_size)
             prev = m.w_prev if m.w_prev.shape == w.shape else None
             m._stall = update_stats(before, u, w_new, q.qfmt, se, w_prev2=prev, residual=c)
+            m._last_update = (before, u, se)
             m.w_prev = before
             m.updates += 1
         elif q.scale.numel():
@@ -462,6 +465,7 @@ def quant_post_step(model: nn.Module) -> dict:
             st = update_stats(before, u, w.detach(), q.qfmt, se)      # fidelity of the stored (FP32) weight
             st[1] = stall_counts(before, u, q.qfmt, se)[0].to(st)     # stall of the quantized view the forward uses
             m._stall = st
+            m._last_update = (before, u, se)
     return {}
 
 def commit_amax(model: nn.Module):
@@ -516,7 +520,8 @@ def quant_metrics(model: nn.Module) -> dict:
     return out
 
 def quant_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-    "256-code histograms of the last quantized W, A and G of every layer (computed now, from retained tensors)."
+    """256-code histograms of the last quantized W, A and G of every layer (computed now, from retained tensors), and
+    `r`: the last update's log2(|u|/ulp) histogram (`grid.ratio_histogram`, bins `grid.R_EDGES`)."""
     out = {}
     for name, m in quantized_layers(model):
         h = {}
@@ -524,5 +529,6 @@ def quant_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
             q = getattr(m, "q" + role)
             if q.last is not None and q.scale.numel():
                 h[role] = bit_histogram(q.last, q.fmt, q.scale, q.granularity, q.block_size).cpu()
+        if m._last_update is not None: h["r"] = ratio_histogram(m._last_update[0], m._last_update[1], m.qw.qfmt, m._last_update[2]).cpu()
         if h: out[name] = h
     return out
