@@ -10,9 +10,10 @@ from functools import cached_property
 import torch
 
 # %% auto #0
-__all__ = ['FORMAT_REGISTRY', 'E5M2', 'E4M3', 'E3M4', 'E1M6', 'E0M7', 'E7M0', 'E4M3_NAN', 'COMPILE_MIN_NUMEL', 'FP8Format',
-           'register_format', 'get_format', 'quantize_integer', 'compile_mode', 'quantize', 'to_bits', 'from_bits',
-           'adversarial_inputs', 'reference_quantize', 'quantize_ste']
+__all__ = ['FORMAT_REGISTRY', 'E5M2', 'E4M3', 'E3M4', 'E1M6', 'E0M7', 'E7M0', 'E2M5', 'E6M1', 'E4M3_NAN', 'COMPILE_MIN_NUMEL',
+           'FP8Format', 'register_format', 'get_format', 'grid_equivalent', 'equivalent_formats', 'quantize_integer',
+           'compile_mode', 'quantize', 'to_bits', 'from_bits', 'adversarial_inputs', 'reference_quantize',
+           'quantize_ste']
 
 # %% ../nbs/00_formats.ipynb #616a0047
 _SPECIALS = ("ieee", "fn", "finite")
@@ -94,6 +95,8 @@ E3M4 = register_format(FP8Format("E3M4", 3, 4, 1))
 E1M6 = register_format(FP8Format("E1M6", 1, 6, 1))
 E0M7 = register_format(FP8Format("E0M7", 0, 7, 1))
 E7M0 = register_format(FP8Format("E7M0", 7, 0, 63))
+E2M5 = register_format(FP8Format("E2M5", 2, 5, 1))    # completes ExMy: bias 2^(E-1)-1 = 1, range 2^-5 .. 7.875
+E6M1 = register_format(FP8Format("E6M1", 6, 1, 31))   # bias 2^(E-1)-1 = 31, range 2^-31 .. 1.5·2^32
 E4M3_NAN = FP8Format("E4M3_NAN", 4, 3, 7, "fn", "nan")  # ml_dtypes' convention; not in the sweep registry
 
 def get_format(fmt) -> FP8Format:
@@ -103,6 +106,27 @@ def get_format(fmt) -> FP8Format:
     if key not in FORMAT_REGISTRY:
         raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(FORMAT_REGISTRY)}")
     return FORMAT_REGISTRY[key]
+
+# %% ../nbs/00_formats.ipynb #c6574baa
+def grid_equivalent(a, b) -> int | None:
+    "The `k` with positive finite grid of `a` = 2**k * that of `b` (formats or names), or None when there is none."
+    a, b = get_format(a), get_format(b)
+    pa, pb = a.values[a.values > 0], b.values[b.values > 0]
+    if len(pa) != len(pb): return None
+    r = pa / pb                                             # float64 of two dyadic grids: exact
+    if not bool((r == r[0]).all()): return None
+    m, e = math.frexp(r[0].item())
+    return e - 1 if m == 0.5 else None
+
+def equivalent_formats(formats=None) -> list[list[str]]:
+    "Groups (of two or more names, in the given or registry order) of grid-equivalent formats among `formats` (default: the registry)."
+    fmts = [get_format(f) for f in (formats if formats is not None else FORMAT_REGISTRY.values())]
+    groups: list[list] = []
+    for f in fmts:
+        g = next((g for g in groups if grid_equivalent(f, g[0]) is not None), None)
+        if g is None: groups.append([f])
+        elif f.name not in [x.name for x in g]: g.append(f)
+    return [[f.name for f in g] for g in groups if len(g) > 1]
 
 # %% ../nbs/00_formats.ipynb #25bc8fff
 def _round_magnitude(a: torch.Tensor, fmt: FP8Format, noise: torch.Tensor | None = None) -> torch.Tensor:

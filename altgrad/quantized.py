@@ -236,6 +236,7 @@ class QuantizedLinear(nn.Linear):
         self.register_buffer("_clipped", torch.zeros((), dtype=torch.int64), persistent=False)  # G entries clipped
         self._snapshot: torch.Tensor | None = None   # weight before the optimizer step
         self._last_update = None                     # (w_before, u, scale) of the last step: r histograms
+        self._decay: torch.Tensor | None = None      # [<landed decay, d>, ||d||^2] of the last step
         self._stall: torch.Tensor | None = None      # update_stats sums of the last step (altgrad.grid.STAT_FIELDS)
         self.weight_update, self.residual_dtype, self.margin = weight_update, residual_dtype, margin
         # weights on the grid (master_weights='format'): w = codes / grid_scale; lazily shaped buffers
@@ -313,7 +314,7 @@ class QuantizedLinear(nn.Linear):
     def _quantize_grad(self, g: torch.Tensor, train: bool) -> torch.Tensor:
         g = g.detach().float()
         if self.clip_k is not None:
-            from altgrad.interventions import partition_clip
+            from altgrad.scaling import partition_clip
             gc = partition_clip(g, self.clip_k, self.qg.granularity, self.qg.block_size)
             if train: self._clipped += (gc != g).sum()
             g = gc
@@ -429,7 +430,7 @@ def quant_pre_step(model: nn.Module, snapshot: dict[str, torch.Tensor] | None = 
         m._snapshot = before if before is not None and before.shape == w.shape else w.detach().clone()
 
 @torch.no_grad()
-def quant_post_step(model: nn.Module) -> dict:
+def quant_post_step(model: nn.Module, decay: dict | None = None) -> dict:
     """After `optimizer.step()`: land the weights on the grid (`master_weights='format'`) and measure the update.
 
     The optimizer proposed `u = w - w_before` (FP32). With weights on the grid, the new scale comes from the *updated*
@@ -437,7 +438,11 @@ def quant_post_step(model: nn.Module) -> dict:
     `w_before + u` lands on that grid by the layer's `weight_update` rule (`grid.land`), and the new amax goes into the
     W quantizer's history. Every layer then records `grid.update_stats` of the step: measured stall (the quantized
     weight did not change; with FP32 master weights, under the scale the last forward used), `r = |u|/ulp`, fidelity
-    of the stored weight, flip-back, zero/subnormal codes and the kahan residual. Returns {}."""
+    of the stored weight, flip-back, zero/subnormal codes and the kahan residual.
+
+    `decay` {weight parameter: c} gives the step's weight-decay shrink factor (w -> (1 - c) w); for weights on the grid
+    the intended decay term `-c w` is then also landed alone by the layer's rule, and its fidelity is logged as
+    `decay_kept/<layer>`: a decay term far below half a grid step is lost under `nearest`. Returns {}."""
     for _, m in quantized_layers(model):
         before, m._snapshot = m._snapshot, None
         q, w = m.qw, m.weight
@@ -457,6 +462,13 @@ def quant_post_step(model: nn.Module) -> dict:
             se = expand_scale(s_old, w, q.granularity, q.block_size)
             prev = m.w_prev if m.w_prev.shape == w.shape else None
             m._stall = update_stats(before, u, w_new, q.qfmt, se, w_prev2=prev, residual=c)
+            cd = (decay or {}).get(w)
+            if cd:                                           # the decay term alone, landed by the same rule
+                d = -cd * before.float()
+                rule = "nearest" if m.weight_update == "kahan" else m.weight_update
+                gd = sr_generator(m.seed, m.layer_id, int(m.updates), 1) if rule == "stochastic" else None
+                dl = land(before, d, q.qfmt, expand_scale(s_new, w, q.granularity, q.block_size), rule, None, gd)[0] - before.float()
+                m._decay = torch.stack([(dl * d).sum(dtype=torch.float64), (d * d).sum(dtype=torch.float64)])
             m._last_update = (before, u, se)
             m.w_prev = before
             m.updates += 1
@@ -490,12 +502,15 @@ def quant_metrics(model: nn.Module) -> dict:
             c, n = q.read_counts()
             if n: rows.append(c); meta.append((name, role, n, q.qfmt.overflow != "saturate"))
         if m._stall is not None: upd.append((name, m, m._stall))
+        if m._decay is not None: rows.append(torch.cat([m._decay, m._decay.new_zeros(1)])); meta.append((name, "decay", 0, False))
         if m.clip_k is not None: rows.append(torch.stack([m._clipped, m._clipped, m._clipped])); meta.append((name, "clip", m.qg.total, False))
-    vals = torch.stack([r.to(rows[0].device) for r in rows]).tolist() if rows else []
+    vals = torch.stack([r.to(rows[0].device, torch.float64) for r in rows]).tolist() if rows else []
     out, ovf_max = {}, 0.0
     for (name, role, n, nonsat), (a, b, c) in zip(meta, vals):
         if role == "clip":
             out[f"clip/{name}"] = a / n if n else 0.0
+        elif role == "decay":
+            out[f"decay_kept/{name}"] = a / b if b else 1.0
         else:
             out[f"overflow/{name}/{role}"] = a / n; out[f"underflow/{name}/{role}"] = b / n
             ovf_max = max(ovf_max, a / n)
@@ -516,7 +531,7 @@ def quant_metrics(model: nn.Module) -> dict:
     out["overflow/max"] = ovf_max
     for _, m in layers:
         for q in m.quantizers().values(): q.reset_counts()
-        m._stall = None; m._clipped.zero_()
+        m._stall = None; m._decay = None; m._clipped.zero_()
     return out
 
 def quant_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:

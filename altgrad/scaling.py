@@ -10,8 +10,8 @@ from torch import nn
 from .formats import FP8Format, get_format, quantize
 
 # %% auto #0
-__all__ = ['SCALE_MIN', 'SCALE_MAX', 'GRANULARITIES', 'AMAX_ALGOS', 'compute_scale', 'num_groups', 'amax_of', 'expand_scale',
-           'quantize_scaled', 'current_scale', 'AmaxHistory']
+__all__ = ['SCALE_MIN', 'SCALE_MAX', 'GRANULARITIES', 'CLIP_K', 'AMAX_ALGOS', 'compute_scale', 'num_groups', 'amax_of',
+           'expand_scale', 'quantize_scaled', 'current_scale', 'partition_mean_abs', 'partition_clip', 'AmaxHistory']
 
 # %% ../nbs/01_scaling.ipynb #3a8ee4d4
 SCALE_MIN, SCALE_MAX = 2.0 ** -126, 2.0 ** 126  # clamp range of every scale (powers of two, normal float32)
@@ -107,6 +107,27 @@ def current_scale(x: torch.Tensor, fmt, granularity: str = "tensor", block_size:
     "Current scaling: `compute_scale(amax_of(x, granularity, block_size), ...)`; block mode is always power of two."
     return compute_scale(amax_of(x, granularity, block_size), fmt, margin=margin,
                          power_of_two=power_of_two or granularity == "block", prev=prev)
+
+# %% ../nbs/01_scaling.ipynb #e384fdd2
+CLIP_K = 64.0
+
+def partition_mean_abs(x: torch.Tensor, granularity: str = "tensor", block_size: int = 32) -> torch.Tensor:
+    "Mean |x| per partition: a scalar, one per row of `x.reshape(-1, x.shape[-1])`, or one per `block_size` block of each row."
+    _check_granularity(granularity, block_size)
+    a = x.detach().float().abs()
+    if granularity == "tensor": return a.mean()
+    r = _rows(a)
+    if granularity == "channel": return r.mean(dim=1)
+    c = r.shape[1]; nb = -(-c // block_size)
+    n = (c - torch.arange(nb, device=r.device) * block_size).clamp(max=block_size)   # real elements per block
+    return (_blocks(a, block_size).sum(dim=2) / n).reshape(-1)
+
+def partition_clip(x: torch.Tensor, k: float = CLIP_K, granularity: str = "tensor", block_size: int = 32) -> torch.Tensor:
+    "Clamp each partition of `x` to ±k·mean|x| of that partition (float32; NaN partitions left alone)."
+    tau = k * partition_mean_abs(x, granularity, block_size)
+    tau = torch.nan_to_num(tau, nan=math.inf)
+    t = expand_scale(tau, x, granularity, block_size)
+    return torch.clamp(x.float(), -t, t)
 
 # %% ../nbs/01_scaling.ipynb #87c94d62
 AMAX_ALGOS = ("max", "most_recent")

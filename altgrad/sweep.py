@@ -4,24 +4,37 @@
 
 # %% ../nbs/31_sweep.ipynb #9d0ef880
 from __future__ import annotations
-import argparse, json, math, shutil, sys, time
+import argparse, hashlib, json, math, re, shutil, sys, time, warnings
+from dataclasses import fields
 from pathlib import Path
 import numpy as np
 import matplotlib
 import matplotlib.pyplot as plt
 import torch
-from .config import load_config, ConfigError
-from .formats import get_format
+from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides
+from .formats import get_format, grid_equivalent, equivalent_formats
 from .report import load_run, run_summary, write_report, fmt_num, short_layer
 
 # %% auto #0
-__all__ = ['SEED_ORDER', 'POST_LN_RULES', 'resolve_preset', 'run_name', 'reference_dir', 'ensure_data', 'train', 'reference_run',
-           'format_config', 'hot_layers', 'retry_rules', 'find_notebook', 'run_notebook', 'load_runs', 'summary_rows',
-           'plot_sweep', 'plot_reference', 'write_summary', 'run_sweep', 'sweep_cli']
+__all__ = ['SEED_ORDER', 'POST_LN_RULES', 'IGNORED_KEYS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'FINISHED', 'REUSED_FILE',
+           'NOTEBOOK_OVERRIDE_PARAMS', 'TABLE_HEAD', 'resolve_preset', 'run_name', 'reference_overrides',
+           'reference_dir', 'ensure_data', 'train', 'saved_config', 'data_identity', 'config_diff', 'check_run',
+           'reference_run', 'format_config', 'grid_key', 'reuse_note', 'reuse_marker', 'mark_reused', 'RetryRefused',
+           'model_layers', 'hot_layers', 'retry_rules', 'find_notebook', 'notebook_params', 'run_notebook', 'load_runs',
+           'count_8bit_layers', 'summary_row', 'summary_rows', 'plot_sweep', 'plot_reference', 'write_summary',
+           'check_overrides', 'settings_note', 'run_sweep', 'sweep_cli']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
 SEED_ORDER = ["E5M2", "E3M4", "E1M6", "E7M0", "E0M7", "E4M3"]
 POST_LN_RULES = [["*.attn.c_attn", "E1M6"], ["*.mlp.c_fc", "E1M6"], ["*", None]]
+IGNORED_KEYS = ("out_dir", "data_dir", "resume")   # and every wandb_* key; data_dir is compared by content instead
+NOT_IN_REFERENCE = ("fmt", "fmt_backward", "scaling", "granularity", "block_size_q", "amax_history_len", "amax_algo",
+                    "master_weights", "quantize_grads", "rounding", "margin", "weight_update", "residual_dtype", "rules",
+                    "interventions", "stop_on_nan", "shadow", "optimizer")
+SWEEP_KEYS = dict(fmt="--formats", fmt_backward="--formats", rules="(retries set them)", max_steps="--steps", seed="--seed",
+                  out_dir="--out", data_dir="--data-dir", interventions="--interventions", master_weights="--master-weights",
+                  stop_on_nan="(follows --interventions)", shadow="(on for formats, off for the reference)",
+                  wandb_mode="--wandb-mode", resume="(finished runs are reused)")
 
 def resolve_preset(preset: str) -> str:
     "'auto' -> 'gpu' on CUDA machines, 'cpu' otherwise."
@@ -30,8 +43,29 @@ def resolve_preset(preset: str) -> str:
 def run_name(fmt: str | None, tag: str = "") -> str:
     return (fmt or "reference") + (f"-{tag}" if tag else "")
 
-def reference_dir(out, preset: str, seed: int, steps: int) -> Path:
-    return Path(out) / "_reference" / f"{resolve_preset(preset)}-s{seed}-n{steps}"
+def _ignored(key: str) -> bool: return key in IGNORED_KEYS or key.startswith("wandb_")
+
+def reference_overrides(overrides: dict | None) -> dict:
+    "The part of the sweep's config `overrides` that applies to the standard high-precision reference (none of `NOT_IN_REFERENCE`)."
+    return {k: v for k, v in (overrides or {}).items() if k not in NOT_IN_REFERENCE}
+
+def _tag(d: dict) -> str:
+    "A folder-name-safe text of `{key: value}` (a hash when long)."
+    t = ",".join(f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in sorted(d.items()))
+    t = re.sub(r"[^A-Za-z0-9=.,_+-]", "_", t)
+    return t if len(t) <= 60 else "cfg-" + hashlib.sha1(t.encode()).hexdigest()[:10]
+
+def _reference_config(preset: str, seed: int, steps: int, **kw) -> TrainConfig:
+    return load_config(resolve_preset(preset), fmt=None, max_steps=steps, seed=seed, shadow=False, **kw)
+
+def reference_dir(out, preset: str, seed: int, steps: int, **overrides) -> Path:
+    "`out/_reference/<preset>-s<seed>-n<steps>[-<key=value,...>]`: one folder per distinct reference config."
+    ref = reference_overrides(overrides)
+    base, want = _reference_config(preset, seed, steps).to_dict(), _reference_config(preset, seed, steps, **ref).to_dict()
+    diff = {k: v for k, v in want.items() if v != base[k] and not _ignored(k)}
+    p = resolve_preset(preset)
+    label = Path(p).stem if ("/" in p or p.endswith((".yaml", ".yml"))) else p
+    return Path(out) / "_reference" / (f"{label}-s{seed}-n{steps}" + (f"-{_tag(diff)}" if diff else ""))
 
 def ensure_data(data_dir: str | None, out) -> str:
     "A prepared EurLex folder: `data_dir` if given, else `out/_data/eurlex` prepared from the local sample (instant when done)."
@@ -61,19 +95,73 @@ def _read_summary(run_dir: Path) -> dict | None:
     try: return json.loads((Path(run_dir) / "summary.json").read_text())
     except (OSError, ValueError): return None
 
-def _complete(run_dir: Path, steps: int) -> bool:
-    summ = _read_summary(run_dir)
-    return summ is not None and summ.get("final_step") == steps and summ.get("stopped_reason") in ("max_steps", "completed", None)
+# %% ../nbs/31_sweep.ipynb #1bc6edce
+def saved_config(run_dir) -> TrainConfig:
+    "The run's `config.yaml` loaded through `TrainConfig` (keys added since it was written take their defaults)."
+    p = Path(run_dir) / "config.yaml"
+    if not p.is_file(): raise ConfigError(f"{p} not found")
+    return load_config(p)
 
+def data_identity(data_dir) -> dict | None:
+    "`{split: (sha256, tokens)}` from a prepared data folder's `meta.json` (its token content); None when unreadable."
+    try: meta = json.loads((Path(data_dir) / "meta.json").read_text())
+    except (OSError, ValueError, TypeError): return None
+    ident = {s: (i.get("sha256"), i.get("tokens")) for s, i in (meta.get("splits") or {}).items() if isinstance(i, dict)}
+    return ident or None
+
+def _data_diff(a, b) -> str | None:
+    "Why data folders `a` (saved) and `b` (requested) are not the same data, or None."
+    if a == b or (a and b and Path(a).resolve() == Path(b).resolve()): return None
+    ia, ib = data_identity(a) if a else None, data_identity(b) if b else None
+    if ia is not None and ia == ib: return None
+    why = "different token content" if ia is not None and ib is not None else \
+          f"cannot compare the content: no readable meta.json in {a if ia is None else b}"
+    return f"data_dir: {a!r} -> {b!r} ({why})"
+
+def config_diff(saved, requested) -> list[str]:
+    "`'key: saved -> requested'` for every config field that differs (TrainConfig or dict; out_dir, resume, wandb_* ignored; data by content)."
+    a = saved.to_dict() if isinstance(saved, TrainConfig) else dict(saved)
+    b = requested.to_dict() if isinstance(requested, TrainConfig) else dict(requested)
+    out = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in list(dict.fromkeys([*a, *b]))
+           if not _ignored(k) and a.get(k) != b.get(k)]
+    d = _data_diff(a.get("data_dir"), b.get("data_dir"))
+    return out + ([d] if d else [])
+
+FINISHED = ("max_steps", "nan")
+
+def check_run(run_dir, cfg=None, finished=FINISHED) -> tuple:
+    """`(Run, [])` when the run in `run_dir` can stand in for the requested `cfg`, else `(None, reasons)`.
+
+    Reusable: `summary.json` says it finished (`stopped_reason` in `finished`; all `max_steps` steps unless it stopped
+    for NaN), its resolved config equals `cfg` (`config_diff`; skipped when `cfg` is None), and its per-step metrics load."""
+    d = Path(run_dir)
+    summ = _read_summary(d)
+    if summ is None: return None, [f"no readable summary.json in {d} (never run, or killed before it ended)"]
+    why, reason = [], summ.get("stopped_reason")
+    if reason not in finished: why.append(f"stopped_reason={reason!r} is not one of {list(finished)}")
+    elif reason == "max_steps" and summ.get("final_step") != summ.get("max_steps"):
+        why.append(f"stopped at step {summ.get('final_step')} of {summ.get('max_steps')}")
+    if cfg is not None:
+        try: why += config_diff(saved_config(d), cfg)
+        except (ConfigError, OSError, ValueError) as e: why.append(f"config.yaml unusable: {e}")
+    if why: return None, why
+    try: run = load_run(d)
+    except Exception as e: return None, [f"per-step metrics missing or unreadable: {type(e).__name__}: {e}"]
+    if not run.metrics: return None, ["the per-step metrics are empty"]
+    return run, []
+
+# %% ../nbs/31_sweep.ipynb #a8977c64
 def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, data_dir: str | None = None,
                   wandb_mode: str = "auto", force: bool = False, **overrides) -> Path:
-    "Train (or reuse) the high-precision reference run; returns its folder."
-    d = reference_dir(out, preset, seed, steps)
-    if not force and _complete(d, steps):
-        print(f"reusing reference run {d}"); return d
+    "Train (or reuse, see `check_run`) the high-precision reference run; returns its folder. `overrides` in `NOT_IN_REFERENCE` are dropped."
+    ref = reference_overrides(overrides)
+    d = reference_dir(out, preset, seed, steps, **ref)
+    cfg = _reference_config(preset, seed, steps, out_dir=str(d), data_dir=ensure_data(data_dir, out), wandb_mode=wandb_mode, **ref)
+    if not force:
+        run, why = check_run(d, cfg, finished=("max_steps",))
+        if run is not None: print(f"reusing reference run {d}"); return d
+        if d.exists(): print(f"not reusing the reference run in {d}: {'; '.join(why)}; training it again", flush=True)
     if d.exists(): shutil.rmtree(d)
-    cfg = load_config(resolve_preset(preset), fmt=None, max_steps=steps, seed=seed, out_dir=str(d), shadow=False,
-                      data_dir=ensure_data(data_dir, out), wandb_mode=wandb_mode, **overrides)
     train(cfg); return d
 
 def format_config(fmt: str, out, preset: str = "auto", seed: int = 42, steps: int = 500, data_dir: str | None = None,
@@ -87,36 +175,120 @@ def format_config(fmt: str, out, preset: str = "auto", seed: int = 42, steps: in
                        stop_on_nan=stop_on_nan, data_dir=ensure_data(data_dir, out), wandb_mode=wandb_mode,
                        wandb_tags=[fmt] + ([tag] if tag else []), **overrides)
 
-# %% ../nbs/31_sweep.ipynb #2605e214
-def hot_layers(run_dir, overflow_threshold: float = 0.01, stall_threshold: float = 0.5) -> list[str]:
-    "Layers of a run whose overflow (any of W, A, G) or mean bit-stall crossed the thresholds, plus the NaN origin."
+# %% ../nbs/31_sweep.ipynb #72e2217e
+REUSED_FILE = "reused.json"
+_RUN_ARTIFACTS = ("run", "figures", "report.md", "summary.json", "metrics.jsonl", "metrics.parquet", "run_format.ipynb")
+
+def grid_key(cfg) -> str:
+    "Identity of the training `cfg` asks for, with grid-equivalent formats identified (equal keys: the same run)."
+    canon = {n: g[0] for g in equivalent_formats() for n in g}
+    c = lambda f: None if f is None else canon.get(get_format(f).name, get_format(f).name)
+    d = {k: v for k, v in cfg.to_dict().items() if not _ignored(k)}
+    d["fmt"], d["fmt_backward"] = c(d.get("fmt")), c(d.get("fmt_backward"))
+    d["rules"] = [[p, c(f)] for p, f in d.get("rules") or []]
+    d["data"] = data_identity(cfg.data_dir) or str(Path(cfg.data_dir).resolve())
+    return json.dumps(d, sort_keys=True, default=str)
+
+def reuse_note(name: str, source: str, k: int) -> str:
+    "The summary line of a run that reused another's (`k`: grid of `name` = 2^k x grid of `source`)."
+    return f"{name}: same grid as {source} up to 2^{k} ({name} = 2^{k} × {source}); run reused"
+
+def reuse_marker(dest) -> dict | None:
+    "The `reused.json` of a format folder, or None."
+    try: return json.loads((Path(dest) / REUSED_FILE).read_text())
+    except (OSError, ValueError): return None
+
+def _clear(dest: Path, what=_RUN_ARTIFACTS + (REUSED_FILE,)):
+    for n in what:
+        p = dest / n
+        if p.is_dir(): shutil.rmtree(p)
+        elif p.exists(): p.unlink()
+
+def mark_reused(dest, name: str, source: str, fmt: str, source_fmt: str) -> dict:
+    "Make `dest` (= out/<name>) a marker of the run `source` (its run and write-up artifacts are removed)."
+    dest = Path(dest); k = grid_equivalent(fmt, source_fmt)
+    if k is None: raise ValueError(f"{fmt} and {source_fmt} are not grid-equivalent; {name} cannot reuse {source}")
+    _clear(dest); dest.mkdir(parents=True, exist_ok=True)
+    info = dict(reused_from=source, format=get_format(fmt).name, source_format=get_format(source_fmt).name,
+                power_of_two=k, note=reuse_note(name, source, k))
+    (dest / REUSED_FILE).write_text(json.dumps(info, indent=1) + "\n")
+    (dest / "report.md").write_text(f"# {name}: run reused\n\n{info['note']}: the grid of {info['format']} is 2^{k} times "
+                                    f"the grid of {info['source_format']}, so under scaling both round every tensor alike "
+                                    f"and train identically. The run and its write-up are in [../{source}](../{source}/report.md).\n")
+    return info
+
+# %% ../nbs/31_sweep.ipynb #1e4bb494
+class RetryRefused(ValueError):
+    "A retry layout that would leave too few linear layers in 8-bit to say anything about the format."
+
+def _as_config(config) -> TrainConfig:
+    if isinstance(config, TrainConfig): return config
+    valid = {f.name for f in fields(TrainConfig)}
+    return TrainConfig.from_dict({k: v for k, v in dict(config).items() if k in valid})
+
+def model_layers(config, rules=None) -> tuple[list[str], list[str]]:
+    "(names of the model's linear layers that can be 8-bit, names of those that are) for `config` (TrainConfig or dict) and `rules` (default: its own)."
+    from altgrad.model import GPT, GPTConfig
+    from altgrad.quantized import quantize_model, quantize_model_from_config, quantized_layers
+    c = _as_config(config)
+    if rules is not None: c = c.replace(rules=[list(r) for r in rules])
+    def build():
+        with torch.device("meta"):
+            return GPT(GPTConfig(block_size=c.block_size, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
+                                 n_embd=c.n_embd, dropout=c.dropout, bias=c.bias))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                     # rules that match no layer
+        linear = [n for n, _ in quantized_layers(quantize_model(build(), format="E4M3"))]
+        q = [n for n, _ in quantized_layers(quantize_model_from_config(build(), c))] if (c.fmt or c.rules) else []
+    return linear, q
+
+def hot_layers(run_dir, overflow_threshold: float = 0.01, stall_threshold: float = 0.5, lost_threshold: float = 0.5) -> list[str]:
+    """Layers of a run (folder or `Run`) whose overflow (any of W, A, G) crossed `overflow_threshold`, whose updates were
+    lost (mean `stall/<layer>` > `stall_threshold` with weights on the grid, else mean `lost_update/<layer>` > `lost_threshold`),
+    plus the NaN origin."""
     from altgrad.report import nan_origin
-    run = load_run(run_dir)
-    hot = set()
+    run = run_dir if hasattr(run_dir, "metrics") else load_run(run_dir)
+    on_grid = run.config.get("master_weights", "fp32") == "format"
+    hot, names = set(), set()
     for k in run.keys("overflow/"):
         parts = k.split("/")
-        if len(parts) == 3 and np.nanmax(np.append(run.series(k)[1], 0)) > overflow_threshold: hot.add(parts[1])
-    for k in run.keys("stall/"):
-        if k.endswith(("/total", "/mean")): continue
-        v = run.series(k)[1]; v = v[np.isfinite(v)]
-        if len(v) and v.mean() > stall_threshold: hot.add(k[len("stall/"):])
+        if len(parts) != 3: continue
+        names.add(parts[1])
+        if np.nanmax(np.append(run.series(k)[1], 0)) > overflow_threshold: hot.add(parts[1])
+    for prefix in ("stall/", "lost_update/"):
+        for k in run.keys(prefix):
+            name = k[len(prefix):]
+            if "/" in name or name in ("total", "mean", "max"): continue
+            names.add(name)
+            if prefix != ("stall/" if on_grid else "lost_update/"): continue
+            v = run.series(k)[1]; v = v[np.isfinite(v)]
+            if len(v) and v.mean() > (stall_threshold if on_grid else lost_threshold): hot.add(name)
     o = nan_origin(run)
-    if o:
-        for k in run.keys("stall/"):
-            name = k[len("stall/"):]
-            if name in o or o.startswith(name): hot.add(name)
+    if o: hot |= {n for n in names if n in o or o.startswith(n)}
     return sorted(hot)
 
-def retry_rules(fmt: str, run_dir, n_layer: int | None = None) -> tuple[str, list]:
-    "(tag, rules) of the retry of a failed uniform run of `fmt`."
-    if get_format(fmt).name == "E1M6": return "postln", POST_LN_RULES
-    hot = hot_layers(run_dir)
-    if not hot:
-        n = n_layer or 1
-        hot = [f"transformer.h.0.*", f"transformer.h.{n - 1}.*"]
-    return "mixed", [[h, None] for h in hot] + [["*", fmt]]
+def retry_rules(fmt: str, run_dir, n_layer: int | None = None, min_8bit: float = 0.5) -> tuple[str, list]:
+    "(tag, rules) of the retry of a failed uniform run of `fmt`; `RetryRefused` when under `min_8bit` of the linear layers would stay 8-bit."
+    run = run_dir if hasattr(run_dir, "metrics") else load_run(run_dir)
+    fmt = get_format(fmt).name
+    if fmt == "E1M6": tag, rules = "postln", POST_LN_RULES
+    else:
+        hot = hot_layers(run)
+        if not hot:
+            n = n_layer or run.config.get("n_layer") or 1
+            hot = list(dict.fromkeys(["transformer.h.0.*", f"transformer.h.{n - 1}.*"]))
+        tag, rules = "mixed", [[h, None] for h in hot] + [["*", fmt]]
+    linear, q8 = model_layers({**run.config, "fmt": fmt}, rules)
+    if len(q8) < min_8bit * len(linear):
+        off = [short_layer(n) for n in linear if n not in q8]
+        raise RetryRefused(f"retry {run_name(fmt, tag)} refused: its layout would keep only {len(q8)} of {len(linear)} linear "
+                           f"layers in {fmt} (fewer than {min_8bit:.0%}), so it would no longer test {fmt}; layers it would "
+                           f"take out of 8-bit: {', '.join(off[:8])}{' ...' if len(off) > 8 else ''}")
+    return tag, rules
 
-# %% ../nbs/31_sweep.ipynb #7fb01b95
+# %% ../nbs/31_sweep.ipynb #76894daa
+NOTEBOOK_OVERRIDE_PARAMS = ("weight_update", "optimizer", "rounding")
+
 def find_notebook(name: str = "run_format.ipynb") -> Path:
     "The experiment notebook: `./nbs/NAME`, else beside the installed package's source tree."
     import altgrad
@@ -129,36 +301,86 @@ def _portable(path) -> str:
     p, cwd = Path(path).resolve(), Path.cwd().resolve()
     return str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p)
 
-def run_notebook(fmt: str, out, preset: str = "auto", steps: int = 500, seed: int = 42, rules=None, tag: str = "",
-                 interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
-                 data_dir: str = "", wandb_mode: str = "auto", progress: bool = False) -> Path:
-    "Execute the experiment notebook for one format; returns `out/<name>/report.md`."
-    import papermill as pm
-    name = run_name(fmt, tag); dest = Path(out) / name; dest.mkdir(parents=True, exist_ok=True)
+def notebook_params(fmt: str, out, preset: str = "auto", steps: int = 500, seed: int = 42, rules=None, tag: str = "",
+                    interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
+                    data_dir: str = "", wandb_mode: str = "auto", overrides: dict | None = None) -> dict:
+    "The papermill parameters of one format run (`overrides` split into named update-rule keys and a JSON `overrides`)."
     params = dict(fmt=fmt, preset=preset, steps=steps, seed=seed, interventions=interventions, master_weights=master_weights,
                   out_dir=_portable(out), stop_on_nan=stop_on_nan, rules=json.dumps(rules or []), tag=tag,
                   data_dir=data_dir, wandb_mode=wandb_mode)
-    pm.execute_notebook(str(find_notebook()), str(dest / "run_format.ipynb"), parameters=params,
+    ov = dict(overrides or {})
+    for k in NOTEBOOK_OVERRIDE_PARAMS:
+        if k in ov: params[k] = ov.pop(k)
+    if ov: params["overrides"] = json.dumps(ov)
+    return params
+
+def run_notebook(fmt: str, out, preset: str = "auto", steps: int = 500, seed: int = 42, rules=None, tag: str = "",
+                 interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
+                 data_dir: str = "", wandb_mode: str = "auto", progress: bool = False, overrides: dict | None = None) -> Path:
+    "Execute the experiment notebook for one format; returns `out/<name>/report.md`."
+    import papermill as pm
+    name = run_name(fmt, tag); dest = Path(out) / name; dest.mkdir(parents=True, exist_ok=True)
+    params = notebook_params(fmt, out, preset, steps, seed, rules, tag, interventions, master_weights, stop_on_nan, data_dir,
+                             wandb_mode, overrides)
+    nb = find_notebook()
+    declared = set(pm.inspect_notebook(str(nb)))
+    missing = [k for k in params if k not in declared]
+    if missing: raise RuntimeError(f"{nb} takes no parameter(s) {', '.join(missing)} (it declares {', '.join(sorted(declared))}); "
+                                   "update its parameters cell so that these overrides reach the run")
+    pm.execute_notebook(str(nb), str(dest / "run_format.ipynb"), parameters=params,
                         progress_bar=progress, cwd=str(Path.cwd()), kernel_name="python3")
     return dest / "report.md"
 
-# %% ../nbs/31_sweep.ipynb #72e2217e
+# %% ../nbs/31_sweep.ipynb #bb608ee7
 def _rules_text(rules) -> str:
     if not rules: return "uniform"
     return "; ".join(f"{p}→{f or 'high precision'}" for p, f in rules)
 
 def load_runs(out, names: list[str]) -> dict:
-    "`{name: Run or None}` for the run folders `out/<name>/run` (None: not run)."
-    dirs = {n: Path(out) / n / "run" for n in names}
-    return {n: load_run(d) if (d / "metrics.jsonl").exists() else None for n, d in dirs.items()}
+    "`{name: Run or None}` for the run folders `out/<name>/run` (a reused row: the run it reused; None: not run or incomplete)."
+    res = {}
+    for n in names:
+        m = reuse_marker(Path(out) / n)
+        try: res[n] = load_run(Path(out) / (m["reused_from"] if m else n) / "run")
+        except Exception: res[n] = None
+    return res
 
-def summary_rows(runs: dict, ref=None) -> list[dict]:
-    "Summary numbers of each run of `load_runs` against the reference `Run`."
-    rows = []
-    for n, run in runs.items():
-        if run is None: rows.append(dict(name=n, verdict="NOT RUN")); continue
-        s = run_summary(run, ref); s["name"] = n; rows.append(s)
-    return rows
+def _mean_of(run, key: str):
+    _, v = run.series(key); v = v[np.isfinite(v)]
+    return float(v.mean()) if len(v) else None
+
+def count_8bit_layers(run) -> tuple[int | None, int | None]:
+    "(8-bit linear layers, linear layers) of a run: from its summary.json when recorded, else from its config (`model_layers`)."
+    q, n = run.summary.get("quantized_layers"), run.summary.get("linear_layers")
+    if q is not None and n is not None: return int(q), int(n)
+    try:
+        lin, q8 = model_layers(run.config)
+        return len(q8), len(lin)
+    except Exception:                                       # an unusual config: count the layers that logged 8-bit metrics
+        q8 = {k.split("/")[1] for k in run.keys("overflow/") if k.count("/") == 2}
+        return (len(q8) or None), None
+
+def _run_summary(run, ref, unigram):
+    "`run_summary`, given the unigram baseline where it takes one (for `progress_lost`)."
+    import inspect
+    kw = dict(unigram=unigram) if "unigram" in inspect.signature(run_summary).parameters else {}
+    return run_summary(run, ref, **kw)
+
+def summary_row(name: str, run, ref=None, marker: dict | None = None, unigram: float | None = None) -> dict:
+    "The numbers of one table row (`run_summary` plus fallbacks for keys it may lack; `marker`: a reused run's `reused.json`)."
+    if run is None: return dict(name=name, verdict="NOT RUN")
+    s = _run_summary(run, ref, unigram); s["name"] = name
+    if marker: s.update(fmt=marker["format"], reused_from=marker["reused_from"], reuse_note=marker["note"])
+    fallback = dict(all_cos=lambda: s.get("mean_grad_cos"), quantized_cos=lambda: _mean_of(run, "grad_cos_sim/quantized_mean"),
+                    mean_lost_update=lambda: _mean_of(run, "lost_update/total"))
+    for k, f in fallback.items():
+        if s.get(k) is None: s[k] = f()
+    s["quantized_layers"], s["linear_layers"] = count_8bit_layers(run)
+    return s
+
+def summary_rows(runs: dict, ref=None, out=None, unigram: float | None = None) -> list[dict]:
+    "Summary numbers of each run of `load_runs` against the reference `Run` (reuse markers read from `out`)."
+    return [summary_row(n, run, ref, reuse_marker(Path(out) / n) if out is not None else None, unigram) for n, run in runs.items()]
 
 def plot_sweep(runs: dict, ref=None):
     "Validation loss of every run over the reference (left) and final loss ratio to the reference (right)."
@@ -191,11 +413,32 @@ def plot_reference(r, unigram: float | None = None):
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"reference run ({r.summary.get('device', '?')})")
     ax.legend(); fig.tight_layout(); return fig
 
+TABLE_HEAD = ("| run | format | precision rules | 8-bit layers | final val loss | ratio to reference | progress lost | "
+              "quantized-layer cosine | all-parameter cosine | lost update | mean bit-stall | max overflow | failure step | verdict |")
+
+def _table_row(r: dict) -> str:
+    if r.get("verdict") == "NOT RUN": return f"| {r['name']} |" + " |" * 12 + " NOT RUN |"
+    src = r.get("reused_from")
+    link = f"[{r['name']}]({src or r['name']}/report.md)" + (f" (= {src} run)" if src else "")
+    q, n = r.get("quantized_layers"), r.get("linear_layers")
+    layers = "—" if q is None else f"{q}/{n}" if n is not None else f"{q}"
+    return (f"| {link} | {r['fmt']} | {_rules_text(r['rules'])} | {layers} | {fmt_num(r.get('final_val_loss'))} | "
+            f"{fmt_num(r.get('ratio_to_ref'), '.3f')} | {fmt_num(r.get('progress_lost'), '.3f')} | "
+            f"{fmt_num(r.get('quantized_cos'), '.4f')} | {fmt_num(r.get('all_cos'), '.4f')} | "
+            f"{fmt_num(r.get('mean_lost_update'), '.3g')} | {fmt_num(r.get('mean_stall'), '.3f')} | "
+            f"{fmt_num(r.get('max_overflow'), '.3g')} | {fmt_num(r.get('first_nan_step'))} | {r['verdict']} |")
+
 def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed: int, note: str = "",
-                  unigram: float | None = None) -> Path:
-    "Write `out/summary.md` (+ `summary.png`, `reference.png`, `summary.json`) for the runs `names`."
-    out = Path(out); runs, ref = load_runs(out, names), (load_run(ref_dir) if ref_dir else None)   # each read once
-    rows = summary_rows(runs, ref)
+                  unigram: float | None = None, notes=(), runs: dict | None = None) -> Path:
+    """Write `out/summary.md` (+ `summary.png`, `reference.png`, `summary.json`) for the runs `names`.
+
+    `note`: settings paragraph(s) above the table; `notes`: lines under it (reuse notes are added from the markers);
+    `runs`: already loaded `{name: Run}` (the rest are loaded)."""
+    out = Path(out)
+    runs = {**load_runs(out, [n for n in names if n not in (runs or {})]), **(runs or {})}
+    runs = {n: runs[n] for n in names}
+    ref = load_run(ref_dir) if ref_dir else None
+    rows = summary_rows(runs, ref, out, unigram)
     fig = plot_sweep(runs, ref); fig.savefig(out / "summary.png", dpi=110); plt.close(fig)
     dev = (ref.summary.get("device") if ref else None) or ("cuda" if torch.cuda.is_available() else "cpu")
     L = ["# Sweep summary", "",
@@ -210,88 +453,132 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
               f"{fmt_num(unigram)} (add-one smoothed train unigram, scored on validation).", "",
               "![reference](reference.png)", ""]
     if note: L += [note, ""]
-    L += ["| run | format | precision rules | final val loss | ratio to reference | perplexity | mean grad cosine | mean bit-stall | max overflow | failure step | verdict |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r.get("verdict") == "NOT RUN": L.append(f"| {r['name']} | | | | | | | | | | NOT RUN |"); continue
-        L.append(f"| [{r['name']}]({r['name']}/report.md) | {r['fmt']} | {_rules_text(r['rules'])} | {fmt_num(r['final_val_loss'])} | "
-                 f"{fmt_num(r['ratio_to_ref'], '.3f')} | {fmt_num(r['val_ppl'], '.1f')} | {fmt_num(r['mean_grad_cos'], '.4f')} | "
-                 f"{fmt_num(r['mean_stall'], '.3f')} | {fmt_num(r['max_overflow'], '.3g')} | {fmt_num(r['first_nan_step'])} | {r['verdict']} |")
-    L += ["", "![sweep](summary.png)", ""]
+    L += [TABLE_HEAD, "|" + "---|" * TABLE_HEAD.count(" | ") + "---|"]
+    L += [_table_row(r) for r in rows]
+    below = [r["reuse_note"] for r in rows if r.get("reuse_note")] + list(notes)
+    if below: L += [""] + [f"- {x}" for x in below]
+    L += ["", "8-bit layers: linear layers simulated in 8-bit / all linear layers (the tied embedding/LM head excluded).", "",
+          "![sweep](summary.png)", ""]
     (out / "summary.md").write_text("\n".join(L))
     (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
     return out / "summary.md"
 
-# %% ../nbs/31_sweep.ipynb #1e4bb494
+# %% ../nbs/31_sweep.ipynb #387bc5a7
+def check_overrides(overrides: dict) -> dict:
+    "Validate sweep config `overrides`: known keys, not one the sweep sets itself (`SWEEP_KEYS`)."
+    check_keys(overrides, "sweep overrides")
+    bad = [f"{k} (use {SWEEP_KEYS[k]})" for k in overrides if k in SWEEP_KEYS]
+    if bad: raise ConfigError(f"the sweep sets these keys itself, they cannot be overridden: {', '.join(bad)}")
+    return overrides
+
+def settings_note(cfg, master_weights: str = "fp32", interventions: bool = False, overrides: dict | None = None) -> str:
+    "The paragraph(s) of `summary.md` that state what every run of the sweep shares (`cfg`: one format run's config)."
+    g = lambda k, d: getattr(cfg, k, d)
+    mw = ("Master weights: FP32 (each 8-bit layer's weights are re-quantized from an FP32 copy every step)."
+          if master_weights == "fp32" else "Master weights: on the 8-bit grid (`master_weights=format`): the weights are rounded "
+          "onto the format's grid after every optimizer step, so updates below half a grid step are lost.")
+    wu = g("weight_update", "nearest")
+    rule = (f"Update rule: optimizer `{g('optimizer', 'adamw')}`; GEMM operands (W, A, G) rounded `{g('rounding', 'nearest')}`; "
+            f"weight update `{wu}` " + ("(how `w + u` lands on the grid)." if master_weights == "format" else
+                                        "(unused: with FP32 master weights the update is applied in FP32)."))
+    ov = overrides or {}
+    ovt = ("Config overrides: " + ", ".join(f"`{k}={v}`" for k, v in sorted(ov.items())) +
+           " (the reference, the standard high-precision run, gets those that change the problem: not the 8-bit keys, not the optimizer)." if ov else "Config overrides: none (preset defaults).")
+    nan = ("NaN policy: interventions on, so runs continue through non-finite steps (skipped) until "
+           f"{g('nan_patience', 10)} in a row; the NaN-triggered exponent shift needs 3." if interventions else
+           "NaN policy: stop at the first non-finite step (the seeds' failure study).")
+    return "\n\n".join([mw, rule, ovt, nan])
+
 def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None, retry: bool = True,
               interventions: bool = False, data_dir: str = "", wandb_mode: str = "auto", force: bool = False,
-              master_weights: str = "fp32") -> Path:
+              master_weights: str = "fp32", overrides: dict | None = None) -> Path:
     """Reference, then every format in the seeds' order (with retries); writes `out/summary.md`.
 
-    A format whose finished run (same steps and seed) is already in `out` is reused unless `force`, so an
-    interrupted sweep continues where it stopped. `master_weights="format"` keeps every 8-bit layer's weights on its
-    grid (updates below half a grid step are lost): the regime in which bit-stall costs loss."""
+    A run already in `out` is reused when `check_run` allows (same resolved config, complete files) unless `force`, so an
+    interrupted sweep continues where it stopped; otherwise the sweep prints why and trains it again. A format
+    grid-equivalent to an earlier one (same config otherwise) reuses that run. `overrides` are extra `TrainConfig`
+    keys for every run (e.g. `optimizer`, `weight_update`, `rounding`). `master_weights="format"` keeps every 8-bit
+    layer's weights on its grid (updates below half a grid step are lost): the regime in which bit-stall costs loss."""
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    overrides = check_overrides(dict(overrides or {}))
     formats = [get_format(f).name for f in (formats or SEED_ORDER)]
     data_dir = ensure_data(data_dir or None, out)
-    ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode)
+    ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode, **overrides)
     ref_run = load_run(ref)
     from altgrad.data import unigram_baseline
     uni = unigram_baseline(data_dir)
-    note = ("Master weights: FP32 (each 8-bit layer's weights are re-quantized from an FP32 copy every step)."
-            if master_weights == "fp32" else "Master weights: on the 8-bit grid (`master_weights=format`): the weights are rounded "
-            "onto the format's grid after every optimizer step, so updates below half a grid step are lost.")
-    names, t0 = [], time.time()
     common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode,
-                  master_weights=master_weights)
+                  master_weights=master_weights, stop_on_nan=not interventions)
+    note = settings_note(format_config(formats[0] if formats else "E5M2", out, **common, **overrides), master_weights,
+                         interventions, overrides)
+    names, notes, loaded, done, fmt_of, t0 = [], [], {}, {}, {}, time.time()
 
     def one(fmt, rules=None, tag=""):
-        name = run_name(fmt, tag)
-        if not force and _finished(out / name, steps, seed, master_weights):
-            print(f"[altgrad-sweep] {name}: reusing the finished run in {out / name}", flush=True)
+        name = run_name(fmt, tag); dest = out / name
+        cfg = format_config(fmt, out, rules=rules, tag=tag, **common, **overrides)
+        key = grid_key(cfg)
+        if key in done and done[key] != name:
+            src = done[key]; info = mark_reused(dest, name, src, fmt, fmt_of[src])
+            print(f"[altgrad-sweep] {info['note']}", flush=True)
         else:
-            print(f"[altgrad-sweep] {name} ({time.time() - t0:.0f} s)", flush=True)
-            run_notebook(fmt, out, rules=rules, tag=tag, **common)
-        names.append(name)
-        run = load_run(out / name / "run")
-        return run_summary(run, ref_run), run
+            run, why = (None, ["--force"]) if force else check_run(dest / "run", cfg)
+            if run is not None and not (dest / "report.md").exists(): run, why = None, [f"no write-up {dest / 'report.md'}"]
+            if run is not None: print(f"[altgrad-sweep] {name}: reusing the finished run in {dest}", flush=True)
+            else:
+                if dest.exists() and not force: print(f"[altgrad-sweep] {name}: not reusing {dest}: {'; '.join(why)}", flush=True)
+                print(f"[altgrad-sweep] {name} ({time.time() - t0:.0f} s)", flush=True)
+                _clear(dest, (REUSED_FILE,))
+                run_notebook(fmt, out, rules=rules, tag=tag, overrides=overrides, **common)
+                run, why = check_run(dest / "run", cfg)
+                if run is None: raise RuntimeError(f"{name}: the experiment notebook did not leave the requested run in {dest / 'run'}: "
+                                                   f"{'; '.join(why)}")
+            done[key], fmt_of[name], loaded[name] = name, fmt, run
+            src = name
+        names.append(name); loaded[name] = loaded[src]
+        return run_summary(loaded[src], ref_run), loaded[src]
 
     for fmt in formats:
         s, run = one(fmt)
         if retry and s["verdict"] != "PASS":
-            tag, rules = retry_rules(fmt, run.dir, run.config.get("n_layer"))
-            print(f"[altgrad-sweep] {fmt}: {s['verdict']}; retrying as {run_name(fmt, tag)} with rules {rules}", flush=True)
-            one(fmt, rules, tag)
-        write_summary(out, names, ref, preset, steps, seed, note, uni)
-    return write_summary(out, names, ref, preset, steps, seed, note, uni)
-
-def _finished(dest: Path, steps: int, seed: int, master_weights: str = "fp32") -> bool:
-    "A format run in `dest` with a write-up, of this length, seed and master weights, that ended normally or by the NaN policy."
-    import yaml
-    summ = _read_summary(dest / "run")
-    try: cfg = yaml.safe_load((dest / "run" / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError): return False
-    return (summ is not None and (dest / "report.md").exists() and summ.get("max_steps") == steps and cfg.get("seed") == seed
-            and cfg.get("master_weights", "fp32") == master_weights
-            and summ.get("stopped_reason") in ("max_steps", "nan"))
+            try: tag, rules = retry_rules(fmt, run, run.config.get("n_layer"))
+            except RetryRefused as e:
+                msg = f"{fmt}: {s['verdict']}; {e}"
+                print(f"[altgrad-sweep] {msg}", flush=True); notes.append(msg)
+            else:
+                print(f"[altgrad-sweep] {fmt}: {s['verdict']}; retrying as {run_name(fmt, tag)} with rules {rules}", flush=True)
+                one(fmt, rules, tag)
+        write_summary(out, names, ref, preset, steps, seed, note, uni, notes, loaded)
+    return write_summary(out, names, ref, preset, steps, seed, note, uni, notes, loaded)
 
 def sweep_cli(argv: list[str] | None = None) -> int:
-    "`altgrad-sweep --preset PRESET --out DIR [--steps N] [--seed S] [--formats E5M2,E3M4] [--no-retry]`"
+    "`altgrad-sweep --preset PRESET --out DIR [--steps N] [--seed S] [--formats E5M2,E3M4] [--no-retry] [--optimizer O] [--set key=value]`"
     p = argparse.ArgumentParser(prog="altgrad-sweep", description="Train every 8-bit format and write DIR/summary.md")
     p.add_argument("--preset", default="auto"); p.add_argument("--out", default="outputs")
     p.add_argument("--steps", type=int, default=500); p.add_argument("--seed", type=int, default=42)
     p.add_argument("--formats", default=",".join(SEED_ORDER)); p.add_argument("--no-retry", action="store_true")
-    p.add_argument("--interventions", action="store_true"); p.add_argument("--data-dir", default="")
-    p.add_argument("--wandb-mode", default="auto")
+    p.add_argument("--interventions", action="store_true", help="interventions on (runs then continue through NaN steps)")
+    p.add_argument("--data-dir", default=""); p.add_argument("--wandb-mode", default="auto")
     p.add_argument("--force", action="store_true", help="re-run formats whose finished runs are already in --out")
     p.add_argument("--master-weights", default="fp32", choices=["fp32", "format"],
                    help="fp32 master weights (standard) or weights kept on the 8-bit grid after every step")
+    p.add_argument("--optimizer", help="base optimizer of every run (TrainConfig.optimizer, e.g. adamw, madam, lion)")
+    p.add_argument("--weight-update", help="how w+u lands on the grid with --master-weights format (e.g. nearest, stochastic, kahan)")
+    p.add_argument("--rounding", help="rounding of the GEMM operands W, A, G (nearest, stochastic)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other TrainConfig override for every run (repeatable), e.g. --set lr=3e-4")
     a = p.parse_args(argv)
     try:
         fmts = [get_format(f.strip()).name for f in a.formats.split(",") if f.strip()]
-        load_config(resolve_preset(a.preset))
+        overrides = parse_overrides(a.set)
+        for k in NOTEBOOK_OVERRIDE_PARAMS:
+            v = getattr(a, k)
+            if v is None: continue
+            if k in overrides and overrides[k] != v: raise ConfigError(f"{k} is given twice: --{k.replace('_', '-')} {v} and --set {k}={overrides[k]}")
+            overrides[k] = v
+        check_overrides(overrides)
+        load_config(resolve_preset(a.preset), **overrides)
     except (ValueError, ConfigError) as e:
         print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
     print(run_sweep(a.preset, a.out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir, a.wandb_mode, a.force,
-                    a.master_weights))
+                    a.master_weights, overrides))
     return 0

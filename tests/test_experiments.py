@@ -26,10 +26,11 @@ def test_run_format_papermill(out, fmt):
     last = report.split("\n## ")[-1].splitlines()
     assert last[0] == "Verdict"
     verdict = [l for l in last if l.strip()][1]
-    assert verdict.startswith("Verdict: ") and (verdict in ("Verdict: PASS", "Verdict: UNSTABLE") or verdict.startswith("Verdict: FAIL at step "))
+    assert verdict.startswith("Verdict: ") and (verdict in ("Verdict: PASS", "Verdict: INVESTIGATE") or verdict.startswith("Verdict: FAIL at step "))
     assert FIGURES <= {p.name for p in (out / fmt / "figures").glob("*.png")}, "figures missing"
     assert "Not available for this run" not in report, "a figure section had no data"
-    metrics = [json.loads(l) for l in (out / fmt / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    from altgrad.tracking import read_metrics
+    metrics = read_metrics(out / fmt / "run")
     assert metrics[0]["step"] == 1 and any(k.startswith("overflow/") for k in metrics[0])
     executed = json.loads(nb_out.read_text())
     assert any("Verdict: " in "".join(o.get("text", "")) for c in executed["cells"] for o in c.get("outputs", []))
@@ -41,21 +42,132 @@ def test_reference_reused(out):
     assert len(refs) == 1 and (refs[0] / "summary.json").exists()
 
 
-def test_sweep_cli(tmp_path):
-    env = {**os.environ}
-    r = subprocess.run(["altgrad-sweep", "--preset", "smoke", "--out", str(tmp_path), "--steps", "8", "--formats", "E3M4",
-                        "--no-retry"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    "A small prepared EurLex folder shared by the sweep tests (--data-dir), so no test tokenizes the whole sample."
+    from altgrad.data import prepare_eurlex, shared_data_dir
+    d = tmp_path_factory.mktemp("data") / "eurlex"
+    prepare_eurlex(d, source=shared_data_dir() / "eurlex", max_docs=300, progress=False)
+    return d
+
+
+def sweep(out, data, *args, steps=8):
+    return subprocess.run(["altgrad-sweep", "--preset", "smoke", "--out", str(out), "--steps", str(steps), "--data-dir", str(data),
+                           "--no-retry", *args], cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=600)
+
+
+def saved(run_dir) -> dict:
+    import yaml
+    return yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+
+
+def test_sweep_cli(tmp_path, small_data):
+    r = sweep(tmp_path, small_data, "--formats", "E3M4")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     md = (tmp_path / "summary.md").read_text()
-    assert "| [E3M4](E3M4/report.md) | E3M4 | uniform |" in md
+    assert "| [E3M4](E3M4/report.md) | E3M4 | uniform | 8/8 |" in md, md     # smoke: 2 blocks x 4 linear layers, all 8-bit
     assert (tmp_path / "E3M4" / "report.md").exists() and (tmp_path / "summary.png").exists()
     assert "unigram baseline" in md and (tmp_path / "reference.png").exists() and "Master weights: FP32" in md
+    assert "Update rule: optimizer `adamw`" in md and "NaN policy: stop at the first non-finite step" in md
+    for col in ("progress lost", "quantized-layer cosine", "all-parameter cosine", "lost update", "verdict"): assert col in md
     # a second call reuses the finished runs (an interrupted sweep continues) and writes the same table
-    r2 = subprocess.run(r.args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r2 = subprocess.run(r.args, cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=600)
     assert r2.returncode == 0 and "E3M4: reusing the finished run" in r2.stdout, r2.stdout[-2000:] + r2.stderr[-2000:]
+    assert "reusing reference run" in r2.stdout
     assert (tmp_path / "summary.md").read_text() == md
+    # another config of the same length is not the same run: --interventions retrains the format (saying why), keeps the
+    # reference (interventions do not apply to it), and no longer stops at the first NaN
+    r3 = sweep(tmp_path, small_data, "--formats", "E3M4", "--interventions")
+    assert r3.returncode == 0, r3.stdout[-2000:] + r3.stderr[-3000:]
+    assert "E3M4: reusing" not in r3.stdout and "E3M4: not reusing" in r3.stdout, r3.stdout[-2000:]
+    assert "interventions: False -> True" in r3.stdout and "stop_on_nan: True -> False" in r3.stdout
+    assert "reusing reference run" in r3.stdout
+    cfg = saved(tmp_path / "E3M4" / "run")
+    assert cfg["interventions"] is True and cfg["stop_on_nan"] is False
+    assert "NaN policy: interventions on" in (tmp_path / "summary.md").read_text()
+
+
+def test_sweep_reference_incomplete_is_retrained(tmp_path, small_data):
+    "A reference whose per-step metrics are gone (as in a git clone) is trained again, not reused (it used to crash the sweep)."
+    r = sweep(tmp_path, small_data, "--formats", "E5M2", steps=6)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    ref = tmp_path / "_reference" / "smoke-s42-n6"
+    for f in ref.glob("metrics*"): f.unlink()
+    r2 = sweep(tmp_path, small_data, "--formats", "E5M2", steps=6)
+    assert r2.returncode == 0, r2.stdout[-2000:] + r2.stderr[-3000:]
+    assert f"not reusing the reference run in {ref}: per-step metrics missing" in r2.stdout, r2.stdout[-2000:]
+    assert "E5M2: reusing the finished run" in r2.stdout
+    from altgrad.report import load_run
+    assert load_run(ref).metrics[-1]["step"] == 6
+
+
+def test_reference_from_git_clone_is_not_reused(tmp_path, monkeypatch, capsys):
+    "The committed outputs/ as a fresh `git clone` has it: the reference folder holds summary.json but no per-step metrics."
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=300)
+    ref = clone / "outputs" / "_reference" / "cpu-s42-n500"
+    if not (ref / "summary.json").exists(): pytest.skip("no committed reference run in outputs/_reference")
+    from altgrad import sweep as sw
+    from altgrad.data import prepare_eurlex, shared_data_dir
+    summ = json.loads((ref / "summary.json").read_text())
+    assert summ["stopped_reason"] == "max_steps" and summ["final_step"] == 500   # what fooled the old completeness check
+    run, why = sw.check_run(ref)
+    assert run is None and any("per-step metrics" in w for w in why), why
+    monkeypatch.chdir(clone)                                 # the committed config's data_dir is relative to the repository
+    prepare_eurlex("outputs/_data/eurlex", source=shared_data_dir() / "eurlex", max_docs=50, progress=False)
+    calls = []
+    monkeypatch.setattr(sw, "train", lambda cfg: calls.append(cfg) or {})
+    d = sw.reference_run("outputs", "cpu", 42, 500, data_dir="outputs/_data/eurlex", wandb_mode="offline")
+    assert d == Path("outputs/_reference/cpu-s42-n500") and len(calls) == 1 and calls[0].out_dir == str(d)
+    assert "not reusing the reference run" in capsys.readouterr().out
+
+
+def test_sweep_equivalent_formats_train_once(tmp_path, small_data):
+    r = sweep(tmp_path, small_data, "--formats", "E1M6,E0M7", steps=6)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "E0M7: same grid as E1M6 up to 2^-1" in r.stdout and "[altgrad-sweep] E0M7 (" not in r.stdout, r.stdout[-2000:]
+    assert sorted(p.name for p in (tmp_path / "E0M7").iterdir()) == ["report.md", "reused.json"]
+    assert json.loads((tmp_path / "E0M7" / "reused.json").read_text())["reused_from"] == "E1M6"
+    md = (tmp_path / "summary.md").read_text()
+    assert "| [E1M6](E1M6/report.md) | E1M6 | uniform |" in md and "| [E0M7](E1M6/report.md) (= E1M6 run) | E0M7 | uniform |" in md
+    assert "- E0M7: same grid as E1M6 up to 2^-1 (E0M7 = 2^-1 × E1M6); run reused" in md
+    # the other order: E0M7 trains, E1M6 reuses it (the marker is replaced by the run)
+    r2 = sweep(tmp_path, small_data, "--formats", "E0M7,E1M6", steps=6)
+    assert r2.returncode == 0 and "E1M6: same grid as E0M7 up to 2^1" in r2.stdout, r2.stdout[-2000:] + r2.stderr[-2000:]
+    assert (tmp_path / "E0M7" / "run").is_dir() and not (tmp_path / "E0M7" / "reused.json").exists()
+    assert (tmp_path / "E1M6" / "reused.json").exists() and not (tmp_path / "E1M6" / "run").exists()
+
+
+def test_sweep_update_rule_flags(tmp_path, small_data):
+    "--optimizer/--rounding/--weight-update reach the format runs (the reference stays the standard one) and summary.md states them."
+    r = sweep(tmp_path, small_data, "--formats", "E5M2", "--rounding", "stochastic", "--master-weights", "format",
+              "--weight-update", "stochastic", steps=6)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    cfg = saved(tmp_path / "E5M2" / "run")
+    assert (cfg["rounding"], cfg["weight_update"], cfg["master_weights"]) == ("stochastic", "stochastic", "format")
+    assert [p.name for p in (tmp_path / "_reference").iterdir()] == ["smoke-s42-n6"]
+    ref = saved(tmp_path / "_reference" / "smoke-s42-n6")
+    assert ref["rounding"] == "nearest" and ref["fmt"] is None
+    md = (tmp_path / "summary.md").read_text()
+    assert "GEMM operands (W, A, G) rounded `stochastic`; weight update `stochastic` (how `w + u` lands on the grid)" in md
+    assert "Config overrides: `rounding=stochastic`, `weight_update=stochastic`" in md
+
+
+def test_sweep_set_override(tmp_path, small_data):
+    "--set key=value reaches the run and (for a key that changes the problem) the reference, which gets its own folder."
+    r = sweep(tmp_path, small_data, "--formats", "E4M3", "--set", "lr=0.002", steps=6)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert saved(tmp_path / "E4M3" / "run")["lr"] == 0.002
+    assert saved(tmp_path / "_reference" / "smoke-s42-n6-lr=0.002")["lr"] == 0.002
 
 
 def test_sweep_cli_bad_format(tmp_path):
     r = subprocess.run(["altgrad-sweep", "--formats", "E9M9", "--out", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 2 and "valid formats: E5M2" in r.stderr
+
+
+@pytest.mark.parametrize("args, msg", [(["--set", "max_steps=3"], "max_steps (use --steps)"),
+                                       (["--optimizer", "sgd"], "optimizer"), (["--set", "lrr=1"], "did you mean 'lr'")])
+def test_sweep_cli_bad_override(tmp_path, args, msg):
+    r = subprocess.run(["altgrad-sweep", "--out", str(tmp_path), *args], capture_output=True, text=True)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr

@@ -24,3 +24,15 @@ def test_readme_is_generated_from_index():
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert out == (ROOT / "README.md").read_text(), \
         "README.md is stale: run `jupyter nbconvert --to markdown --stdout nbs/index.ipynb > README.md`"
+
+
+def test_notebooks_open_with_a_kernel(tmp_path):
+    "Every notebook names the Python 3 kernel (JupyterLab opens it ready to run), and nbdev_clean keeps it."
+    import json, shutil
+    for nb in sorted((ROOT / "nbs").glob("*.ipynb")):
+        copy = tmp_path / nb.name
+        shutil.copy(nb, copy)
+        subprocess.run(["nbdev_clean", "--fname", str(copy)], cwd=ROOT, check=True, capture_output=True)
+        for p in (nb, copy):
+            ks = json.loads(p.read_text())["metadata"].get("kernelspec") or {}
+            assert ks.get("name") == "python3" and ks.get("language") == "python", f"{p.name}: kernelspec {ks!r}"
