@@ -10,7 +10,8 @@ import torch
 from .formats import FORMAT_REGISTRY, quantize
 
 # %% auto #0
-__all__ = ['COMPILE_PROBE', 'time_side_by_side', 'bench_quantize', 'main']
+__all__ = ['COMPILE_PROBE', 'RULE_VARIANTS', 'DEFAULT_RULES', 'RULE_TARGETS', 'time_side_by_side', 'bench_quantize',
+           'interleave_steps', 'bench_rules', 'main']
 
 # %% ../nbs/03_bench.ipynb #ce63491f
 def time_side_by_side(fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 1,
@@ -63,6 +64,68 @@ def bench_quantize(numel: int = 16 * 2**20, formats=None, roundings=("nearest", 
 COMPILE_PROBE = 1 << 16
 
 # %% ../nbs/03_bench.ipynb #14c5f372
+RULE_VARIANTS = {
+    "nearest": dict(weight_update="nearest", optimizer="adamw"),
+    "stochastic": dict(weight_update="stochastic", optimizer="adamw"),
+    "kahan": dict(weight_update="kahan", optimizer="adamw"),
+    "madam": dict(weight_update="nearest", optimizer="madam"),
+    "lion": dict(weight_update="nearest", optimizer="lion"),
+    "kahan_bf16": dict(weight_update="kahan", optimizer="adamw", residual_dtype="bf16"),
+    "kahan_format": dict(weight_update="kahan", optimizer="adamw", residual_dtype="format"),
+}
+DEFAULT_RULES = ("nearest", "stochastic", "kahan", "madam", "lion")
+RULE_TARGETS = {"stochastic": 1.05, "kahan": 1.05, "madam": 1.05}   # step time / nearest's, cpu preset
+
+def _bench_data(tmp, max_docs: int = 200) -> str:
+    "A small prepared EurLex folder under `tmp` (from the shared sample when there is one)."
+    from pathlib import Path
+    from altgrad.data import prepare_eurlex, shared_data_dir
+    sd = shared_data_dir()
+    out = str(Path(tmp) / "data")
+    prepare_eurlex(out, source=(sd / "eurlex") if sd else None, max_docs=max_docs, progress=False)
+    return out
+
+def interleave_steps(trainers: dict, steps: int, warmup: int = 3) -> dict[str, list[float]]:
+    "Step times (`perf/step_time`) of each trainer, one step of each in turn, rotated every round; warmup rounds dropped."
+    names = list(trainers)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for i in range(warmup + steps):
+        j = i % len(names)
+        for k in names[j:] + names[:j]:
+            dt = trainers[k].train_step()["perf/step_time"]
+            if i >= warmup: times[k].append(dt)
+    return times
+
+def bench_rules(preset: str = "cpu", fmt: str = "E4M3", steps: int = 30, data_dir: str | None = None, warmup: int = 3,
+                rules=DEFAULT_RULES, shadow: bool = False, **overrides) -> dict:
+    "Median step time of format-mode trainers of `preset`, one per update rule (`RULE_VARIANTS`), interleaved; ratios to `nearest`."
+    import tempfile
+    from pathlib import Path
+    from altgrad.config import load_config
+    from altgrad.trainer import Trainer
+    rules = list(dict.fromkeys(["nearest", *rules]))                 # nearest is the baseline: always there, first
+    bad = [r for r in rules if r not in RULE_VARIANTS]
+    if bad: raise ValueError(f"unknown rule(s) {bad}; valid: {', '.join(RULE_VARIANTS)}")
+    if not fmt: raise ValueError("bench_rules needs an 8-bit format (fmt), the weights live on its grid")
+    if steps < 1 or warmup < 0: raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = str(data_dir) if data_dir else _bench_data(tmp)
+        trainers = {k: Trainer(load_config(preset, **{**dict(data_dir=data_dir, out_dir=str(Path(tmp) / k), fmt=fmt,
+                                                             master_weights="format", shadow=shadow, max_steps=warmup + steps,
+                                                             wandb_mode="disabled"), **overrides, **RULE_VARIANTS[k]}), progress=False)
+                    for k in rules}
+        times = interleave_steps(trainers, steps, warmup)
+        t0 = trainers["nearest"]
+        tps, device = t0.tokens_per_step, t0.device
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = {k: round(v / med["nearest"], 4) for k, v in med.items()}
+    targets = {k: v for k, v in RULE_TARGETS.items() if k in ratio}
+    return dict(benchmark="train_rules", preset=preset, fmt=fmt, master_weights="format", shadow=shadow, steps=steps,
+                warmup=warmup, **_env(device), tokens_per_step=tps, rules={k: RULE_VARIANTS[k] for k in rules},
+                step_time={k: round(v, 6) for k, v in med.items()}, ratio_to_nearest=ratio, targets=targets,
+                met=all(ratio[k] <= v for k, v in targets.items()))
+
+# %% ../nbs/03_bench.ipynb #acace413
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `altgrad-bench` console script."
     p = argparse.ArgumentParser(prog="altgrad-bench", description="altgrad benchmarks (JSON on stdout; ratios side by side)")
@@ -79,14 +142,24 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--fmt", default="E4M3")
     t.add_argument("--steps", type=int, default=30)
     t.add_argument("--data-dir", default=None)
+    t.add_argument("--warmup", type=int, default=3, help="interleaved rounds before timing starts")
+    t.add_argument("--rules", nargs="?", const=",".join(DEFAULT_RULES), default=None, metavar="RULE,...",
+                   help=f"time the weight-update rules in format mode relative to nearest instead (default list: "
+                        f"{','.join(DEFAULT_RULES)}; also {','.join(k for k in RULE_VARIANTS if k not in DEFAULT_RULES)})")
+    t.add_argument("--shadow", action="store_true", help="with --rules: keep the FP32 shadow on in every trainer")
     a = p.parse_args(argv)
     if a.what == "quantize":
         from altgrad.formats import get_format
         try: fmts = [get_format(f.strip()).name for f in a.formats.split(",") if f.strip()]
         except ValueError as e: p.error(str(e))
         res = bench_quantize(a.numel, fmts, tuple(r.strip() for r in a.roundings.split(",")), a.repeats, a.device, a.eager)
+    elif a.rules is not None:
+        rules = [r.strip() for r in a.rules.split(",") if r.strip()]
+        bad = [r for r in rules if r not in RULE_VARIANTS]
+        if bad: p.error(f"--rules: unknown rule(s) {bad}; valid: {', '.join(RULE_VARIANTS)}")
+        res = bench_rules(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup, rules=rules, shadow=a.shadow)
     else:
         from altgrad.trainer import bench_train
-        res = bench_train(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir)
+        res = bench_train(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup)
     print(json.dumps(res, indent=1))
     return 0

@@ -13,13 +13,15 @@ import matplotlib.pyplot as plt
 from .tracking import read_metrics, read_alerts, encode_json, metrics_file, compact_metrics, METRICS_JSONL, METRICS_COMPACT
 
 # %% auto #0
-__all__ = ['SMOOTH_WINDOW', 'AVG_STEPS', 'REPORT_INPUTS', 'SWEEP_INPUTS', 'Run', 'load_run', 'write_synthetic_run', 'short_layer',
-           'smooth', 'plot_loss', 'quantized_layer_names', 'quantized_cos_series', 'plot_cosine', 'layer_matrix',
-           'plot_heatmap', 'hotspots', 'pick_layers', 'plot_histograms', 'first_nan_step', 'nan_origin',
-           'failure_analysis', 'run_finished', 'mean_quantized_cos', 'divergence_steps', 'verdict', 'train_loss_avg',
-           'progress_lost', 'layer_counts', 'run_summary', 'fmt_num', 'precision_note', 'write_report', 'is_writeup',
-           'is_sweep', 'find_writeups', 'find_sweeps', 'report_inputs', 'regenerate_report', 'regenerate_summary',
-           'report_cli']
+__all__ = ['SMOOTH_WINDOW', 'AVG_STEPS', 'LAYER_GROUPS', 'MECHANISM_COLUMNS', 'REPORT_INPUTS', 'SWEEP_INPUTS', 'Run', 'load_run',
+           'write_synthetic_run', 'short_layer', 'smooth', 'plot_loss', 'quantized_layer_names', 'quantized_cos_series',
+           'plot_cosine', 'layer_matrix', 'plot_heatmap', 'hotspots', 'pick_layers', 'plot_histograms',
+           'first_nan_step', 'nan_origin', 'failure_analysis', 'run_finished', 'mean_quantized_cos', 'divergence_steps',
+           'verdict', 'train_loss_avg', 'progress_lost', 'layer_counts', 'run_summary', 'fmt_num', 'precision_note',
+           'layer_group', 'has_mechanism', 'layer_groups', 'mechanism_table', 'mechanism_rule', 'plot_mechanism',
+           'ratio_histograms', 'share_below_half', 'plot_ratio_histograms', 'mechanism_section', 'write_report',
+           'is_writeup', 'is_sweep', 'find_writeups', 'find_sweeps', 'report_inputs', 'regenerate_report',
+           'regenerate_summary', 'report_cli']
 
 # %% ../nbs/30_report.ipynb #5e4f383e
 def _read_json(p: Path, default):
@@ -73,11 +75,29 @@ def load_run(run_dir) -> Run:
 # %% ../nbs/30_report.ipynb #b19d92c4
 _SYN_LAYERS = ["transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_proj"]
 _SYN_LINEAR = _SYN_LAYERS + ["transformer.h.1.attn.c_proj"]   # the 4th stays in high precision
+_N_RBINS = 48                                                  # len(altgrad.grid.R_EDGES) - 1
+
+def _syn_mechanism(s: int, layers: list[str], on_grid: bool, kahan: bool) -> dict:
+    "Update-mechanism metrics of synthetic step `s`: simple functions of the step and the layer index."
+    r = {}
+    for i, l in enumerate(layers):
+        rho = 0.5 + 0.1 * i + 0.002 * s
+        r.update({f"update_ratio/{l}": 0.1 * (i + 1) + 0.001 * s, f"pred_stall/{l}": 0.6 - 0.1 * i, f"rho/{l}": rho,
+                  f"lost_update/{l}": 1 - rho, f"zero_frac/{l}": 0.001 * i})
+        if on_grid: r[f"flip_back/{l}"] = 0.01 * (i + 1)
+        if kahan: r[f"residual_ulp/{l}"] = 0.3
+    for k in ("update_ratio", "pred_stall", "rho", "lost_update", "zero_frac", "flip_back", "residual_ulp"):
+        v = [r[f"{k}/{l}"] for l in layers if f"{k}/{l}" in r]
+        if v: r[f"{k}/total"] = sum(v) / len(v)
+    r["stall/total"] = 0.3
+    return r
 
 def write_synthetic_run(d, steps: int = 50, nan_at: int | None = None, fmt: str | None = "E7M0", seed: int = 0, *,
                         stop_at: int | None = None, val_factor: float = 1.0, cos: float | None = None, shadow: bool = True,
                         divergence_at: int | None = None, lost_update: float | None = None, counts: bool = True,
-                        master_weights: str = "fp32", jsonl: bool = True) -> Path:
+                        master_weights: str = "fp32", jsonl: bool = True, mechanism: bool = False,
+                        weight_update: str = "nearest", optimizer: str = "adamw", lr_scale: float | None = None,
+                        residual_dtype: str = "fp32") -> Path:
     "Write a small fake run folder (metrics, alerts, summary, config, histograms) for tests and examples."
     import yaml
     from altgrad.tracking import write_metrics_compact
@@ -97,6 +117,7 @@ def write_synthetic_run(d, steps: int = 50, nan_at: int | None = None, fmt: str 
                     r[f"overflow/{l}/{t}"] = (0.002 * s if i == 2 and t == "g" else 0.0)
                     r[f"underflow/{l}/{t}"] = 0.01 * i
                 r[f"stall/{l}"] = 0.2 + 0.1 * i
+            if mechanism: r.update(_syn_mechanism(s, layers, master_weights == "format", weight_update == "kahan"))
             if lost_update is not None: r["lost_update/total"] = lost_update
             if s == 25: r[f"intervention/{layers[2]}"] = 1.0
         if shadow:
@@ -125,10 +146,14 @@ def write_synthetic_run(d, steps: int = 50, nan_at: int | None = None, fmt: str 
         q = layers if fmt else []
         summary.update(linear_layers=len(_SYN_LINEAR), quantized_layers=len(q), quantized_layer_names=q)
     (d / "summary.json").write_text(json.dumps(summary))
-    (d / "config.yaml").write_text(yaml.safe_dump(dict(fmt=fmt, max_steps=steps, seed=42, n_layer=2, preset="smoke",
-                                                       master_weights=master_weights)))
+    cfg = dict(fmt=fmt, max_steps=steps, seed=42, n_layer=2, preset="smoke", master_weights=master_weights)
+    if mechanism: cfg.update(weight_update=weight_update, optimizer=optimizer, lr_scale=lr_scale, residual_dtype=residual_dtype)
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
     if fmt:
         h = {str(s): {l: {t: rng.integers(0, 50, 256).tolist() for t in "wag"} for l in layers} for s in (1, steps // 2, steps)}
+        if mechanism:
+            for st in h.values():
+                for l in layers: st[l]["r"] = rng.integers(0, 50, _N_RBINS).tolist()
         (d / "histograms.json").write_text(json.dumps(h))
     return d
 
@@ -405,7 +430,8 @@ def run_summary(run: Run, ref: Run | None = None, unigram: float | None = None, 
                 progress_lost=progress_lost(v, r, unigram),
                 val_ppl=(math.exp(v) if v is not None and v < 50 else None), mean_grad_cos=all_cos,
                 quantized_cos=qc, quantized_cos_source=qsrc, all_cos=all_cos, mean_lost_update=_mean(run, "lost_update/total"),
-                mean_stall=_mean(run, "stall/total"), max_overflow=_max_over(run, "overflow/"),
+                mean_stall=_mean(run, "stall/total"), mean_pred_stall=_mean(run, "pred_stall/total"),
+                mean_update_ratio=_mean(run, "update_ratio/total"), mean_rho=_mean(run, "rho/total"), max_overflow=_max_over(run, "overflow/"),
                 tokens_per_sec=_mean(run, "perf/tokens_per_sec"), first_nan_step=first_nan_step(run),
                 steps=(run.metrics[-1]["step"] if run.metrics else 0), max_steps=mx, finished=done, stopped_reason=stop,
                 divergence_steps=len(divergence_steps(run)),
@@ -421,6 +447,14 @@ def fmt_num(v, spec: str = ".4g") -> str:
     return format(v, spec) if isinstance(v, (int, float)) else str(v)
 
 # %% ../nbs/30_report.ipynb #bb88be59
+def _residual_text(cfg: dict) -> str:
+    "How the kahan residual is stored and what it costs per parameter (`altgrad.grid.RESIDUAL_BYTES`)."
+    from altgrad.grid import RESIDUAL_BYTES
+    res = cfg.get("residual_dtype") or "fp32"
+    n = RESIDUAL_BYTES.get(res)
+    return f"`residual_dtype={res}`: " + (f"{n} byte{'s' * (n != 1)} per parameter" if n else "unknown size") + \
+        (" plus one scale per tensor" if res == "format" else "")
+
 def precision_note(run: Run) -> str:
     "What is 8-bit in `run` and what is not, as one markdown paragraph."
     cfg, s = run.config, run.summary
@@ -437,19 +471,162 @@ def precision_note(run: Run) -> str:
          f"({rnd}) to {fmts} with per-{cfg.get('granularity') or 'tensor'} {cfg.get('scaling') or 'delayed'} scaling."]
     if n and q < n: L.append(("The other linear layer stays" if n - q == 1 else f"The other {n - q} linear layers stay")
                              + f" in high precision (precision rules: {cfg.get('rules') or 'none'}).")
-    res = cfg.get("residual_dtype", "fp32")
-    not8 = ["the attention products QKᵀ and AV", "the tied token embedding / LM head", "biases", "LayerNorm", "softmax"]
-    if res != "format": not8.append("the residual stream" + (f" ({res})" if res != "fp32" else ""))
-    not8.append(f"the optimizer state ({cfg.get('optimizer', 'adamw')})")
-    L.append(f"**Not 8-bit** ({hp}): " + ", ".join(not8) + "." + (" The residual stream is 8-bit too (`residual_dtype=format`)." if res == "format" else ""))
+    not8 = ["the attention products QKᵀ and AV", "the tied token embedding / LM head", "biases", "LayerNorm", "softmax",
+            "the residual stream", f"the optimizer state ({cfg.get('optimizer', 'adamw')})"]
+    L.append(f"**Not 8-bit** ({hp}): " + ", ".join(not8) + ".")
     if cfg.get("master_weights", "fp32") == "format":
+        wu = cfg.get("weight_update", "nearest")
         L.append(f"**Weights:** stored on the {run.fmt} grid after every optimizer step (`master_weights=format`; "
-                 f"update rule `weight_update={cfg.get('weight_update', 'nearest')}`): updates the grid cannot hold are lost.")
+                 f"update rule `weight_update={wu}`): " + (
+                     f"what rounding drops is carried to the next step in a per-weight residual ({_residual_text(cfg)})."
+                     if wu == "kahan" else "updates the grid cannot hold are lost."))
     else:
         L.append(f"**Weights:** an FP32 master copy, re-quantized to {run.fmt} for every forward pass (`master_weights=fp32`).")
     return " ".join(L)
 
 # %% ../nbs/30_report.ipynb #6f19fcc7
+LAYER_GROUPS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+MECHANISM_COLUMNS = (("update_ratio", "median r"), ("pred_stall", "predicted stall (r < 1/2)"), ("stall", "measured stall"),
+                     ("rho", "ρ"), ("flip_back", "flip-back"), ("zero_frac", "zero/subnormal"), ("residual_ulp", "residual (ulp, RMS)"))
+
+def _save(fig, path: Path) -> str | None:
+    if fig is None: return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, metadata={"Software": None}); plt.close(fig)
+    return f"figures/{path.name}"
+
+def layer_group(name: str) -> str:
+    "The role of linear layer `name`: the `LAYER_GROUPS` entry it ends with, else its name without `transformer.h.N.`."
+    for g in LAYER_GROUPS:
+        if name == g or name.endswith("." + g): return g
+    return re.sub(r"^transformer\.h\.\d+\.", "", name)
+
+def has_mechanism(run: Run) -> bool:
+    "Did the run log the update-mechanism metrics (`pred_stall/total` and `stall/total`)?"
+    return len(run.series("pred_stall/total")[0]) > 0 and len(run.series("stall/total")[0]) > 0
+
+def layer_groups(run: Run) -> dict[str, list[str]]:
+    "{role: [layers]} of the layers with mechanism metrics, roles in `LAYER_GROUPS` order (others after, sorted)."
+    natural = lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)]
+    layers = sorted({k[len("pred_stall/"):] for k in run.keys("pred_stall/")} - {"total"}, key=natural)
+    out: dict[str, list[str]] = {}
+    for l in layers: out.setdefault(layer_group(l), []).append(l)
+    order = {g: i for i, g in enumerate(LAYER_GROUPS)}
+    return dict(sorted(out.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+
+def _pooled_mean(run: Run, keys: list[str]) -> float | None:
+    v = np.concatenate([run.series(k)[1] for k in keys]) if keys else np.zeros(0)
+    v = v[np.isfinite(v)]
+    return float(v.mean()) if len(v) else None
+
+def mechanism_table(run: Run) -> list[dict]:
+    """One row per layer role, then `total`: `group`, `layers` (count), and for each `MECHANISM_COLUMNS` metric its mean
+    over the steps and the role's layers (`total`: of the `/total` keys), None where not logged."""
+    rows = []
+    for g, ls in layer_groups(run).items():
+        rows.append(dict(group=g, layers=len(ls), **{k: _pooled_mean(run, [f"{k}/{l}" for l in ls]) for k, _ in MECHANISM_COLUMNS}))
+    n = sum(r["layers"] for r in rows)
+    rows.append(dict(group="total", layers=n, **{k: _mean(run, f"{k}/total") for k, _ in MECHANISM_COLUMNS}))
+    return rows
+
+def mechanism_rule(run: Run) -> str:
+    "One sentence naming how the weights were updated: landing rule, base optimizer, learning-rate scale, kahan residual."
+    cfg = run.config
+    opt = cfg.get("optimizer") or "adamw"
+    if cfg.get("lr_scale") is not None: lr = f"learning-rate scale {fmt_num(float(cfg['lr_scale']), 'g')} (config `lr_scale`)"
+    else:
+        from altgrad.optim import default_lr_scale
+        try: lr = f"learning-rate scale {fmt_num(float(default_lr_scale(opt)), 'g')} ({opt}'s default, `altgrad.optim.default_lr_scale`)"
+        except ValueError: lr = "learning-rate scale unknown"
+    base = f"`optimizer={opt}`, {lr}"
+    if cfg.get("master_weights", "fp32") != "format":
+        return (f"Rule: FP32 master weights (`master_weights=fp32`; `weight_update` does not apply), {base}. The measured "
+                f"stall is that of the 8-bit view the forward uses; ρ measures the FP32 copy.")
+    wu = cfg.get("weight_update") or "nearest"
+    s = f"Rule: `weight_update={wu}` lands w + u on the {run.fmt} grid, {base}."
+    if wu == "kahan": s += f" The kahan residual costs {_residual_text(cfg)}."
+    return s
+
+def plot_mechanism(run: Run, window: int = SMOOTH_WINDOW):
+    "Predicted (`pred_stall/total`) vs measured (`stall/total`) stall (left); fidelity ρ and lost update (right)."
+    if not has_mechanism(run): return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    for ax, series in ((a1, (("stall/total", "measured stall", "C3"), ("pred_stall/total", "predicted stall (r < 1/2)", "C0"))),
+                       (a2, (("rho/total", "ρ = ⟨Δw,u⟩/‖u‖²", "C2"), ("lost_update/total", "lost update 1 − ρ", "C1")))):
+        for k, lab, c in series:
+            s, v = run.series(k)
+            if not len(s): continue
+            ax.plot(s, v, color=c, lw=0.6, alpha=0.25)
+            ax.plot(s, smooth(v, window), color=c, lw=1.4, label=f"{lab} (running mean, {window} steps)")
+        ax.legend(fontsize=7)
+    a1.set(xlabel="step", ylabel="share of moved weights", title="stall: predicted by r < 1/2 vs measured", ylim=(-0.02, 1.02))
+    a2.axhline(1, color="0.6", lw=0.6); a2.axhline(0, color="0.6", lw=0.6)
+    a2.set(xlabel="step", ylabel="share of ‖u‖²", title="update fidelity (faint: per step)")
+    fig.tight_layout(); return fig
+
+def ratio_histograms(run: Run) -> dict[str, dict[str, np.ndarray]]:
+    "{role: {step: counts summed over the role's layers}} of the `r` histograms in `histograms.json` (bins `grid.R_EDGES`)."
+    from altgrad.grid import R_EDGES
+    nb = len(R_EDGES) - 1
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for st in sorted(run.histograms, key=int):
+        for l, h in run.histograms[st].items():
+            c = h.get("r") if isinstance(h, dict) else None
+            if c is None or len(c) != nb: continue
+            g = out.setdefault(layer_group(l), {})
+            g[st] = g.get(st, np.zeros(nb)) + np.asarray(c, dtype=float)
+    order = {g: i for i, g in enumerate(LAYER_GROUPS)}
+    return dict(sorted(out.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+
+def share_below_half(counts) -> float:
+    "Share of the histogram's weights with r < 1/2 (log2 r < -1: the bins left of that edge of `grid.R_EDGES`)."
+    from altgrad.grid import R_EDGES
+    c = np.asarray(counts, dtype=float)
+    return float(c[np.asarray(R_EDGES[1:]) <= -1].sum() / c.sum()) if c.sum() else float("nan")
+
+def plot_ratio_histograms(run: Run):
+    "Histograms of log2 r (r = |u|/ulp) per layer role at the saved steps, as shares of the moved weights; line at r = 1/2."
+    from altgrad.grid import R_EDGES
+    hs = ratio_histograms(run)
+    if not hs: return None
+    e = np.asarray(R_EDGES); x = (e[:-1] + e[1:]) / 2
+    fig, axs = plt.subplots(1, len(hs), figsize=(3.1 * len(hs) + 0.6, 3.2), squeeze=False, sharey=True)
+    for ax, (g, by_step) in zip(axs[0], hs.items()):
+        for st, c in by_step.items():
+            ax.step(x, c / max(c.sum(), 1), where="mid", lw=0.9, label=f"step {st}: {share_below_half(c):.0%} < 1/2")
+        ax.axvline(-1, color="k", ls="--", lw=0.8)
+        ax.set(title=g, xlabel="log2 r  (r = |u| / ulp)", xlim=(e[0], e[-1])); ax.legend(fontsize=6)
+    axs[0, 0].set_ylabel("share of moved weights")
+    fig.tight_layout(); return fig
+
+def mechanism_section(run: Run, fig_dir) -> list[str]:
+    "The report's 'Update mechanism' section (markdown lines); draws `mechanism.png` and `update_ratio_hist.png` into `fig_dir`."
+    L = ["## Update mechanism", ""]
+    if not has_mechanism(run):
+        why = "the high-precision reference has no 8-bit layers" if not run.fmt else "a run from before these metrics existed"
+        return L + [f"Not available for this run: no update-mechanism metrics (`pred_stall/`, `update_ratio/`, `rho/`) were logged ({why}).", ""]
+    fig_dir = Path(fig_dir)
+    L += [mechanism_rule(run), ""]
+    p = _save(plot_mechanism(run), fig_dir / "mechanism.png")
+    L += [f"![Update mechanism]({p})", "",
+          "Left: share of the moved weights whose 8-bit value did not change (measured stall) and share with "
+          "r = |u|/ulp < 1/2, the stall round-to-nearest predicts; right: fidelity ρ = ⟨Δw,u⟩/‖u‖² of the stored weight "
+          f"and the lost update 1 − ρ. Faint: per step; bold: running mean over {SMOOTH_WINDOW} steps.", ""]
+    p = _save(plot_ratio_histograms(run), fig_dir / "update_ratio_hist.png")
+    L += ([f"![r histograms]({p})", "",
+           "Histograms of log2 r over the moved weights, the layers of each role summed, at the saved steps (the end bins "
+           "also hold everything beyond 2^-16 and 2^8); dashed: r = 1/2, below which round-to-nearest drops the update.", ""]
+          if p else ["No r histograms were saved for this run.", ""])
+    rows = mechanism_table(run)
+    cols = [(k, lab) for k, lab in MECHANISM_COLUMNS if any(r[k] is not None for r in rows)]
+    L += ["| layers | n | " + " | ".join(lab for _, lab in cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for r in rows:
+        L.append(f"| {r['group']} | {r['layers']} | " + " | ".join(fmt_num(r[k], ".3g") for k, _ in cols) + " |")
+    L += ["", "Means over the steps (and the role's layers; `total`: the run-wide `/total` keys, whose median r is the "
+          "median of the layers' medians). Flip-back: of the weights that moved last step, the share that moved straight back.", ""]
+    return L
+
+# %% ../nbs/30_report.ipynb #14932c9a
 REPORT_INPUTS = "report_inputs.json"
 
 def _rel(path, start) -> str | None:
@@ -457,12 +634,6 @@ def _rel(path, start) -> str | None:
     if not path: return None
     try: return Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())).as_posix()
     except ValueError: return str(path)
-
-def _save(fig, path: Path) -> str | None:
-    if fig is None: return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, metadata={"Software": None}); plt.close(fig)
-    return f"figures/{path.name}"
 
 def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setup: dict | None = None,
                  unigram: float | None = None) -> Path:
@@ -535,6 +706,7 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
             L += ["Highest (mean over the run; largest value and its step): " + "; ".join(
                 f"`{short_layer(n)}` {fmt_num(mean, '.3g')} (max {fmt_num(mx, '.3g')} at step {st})" for n, mean, mx, st in hs) + "."
                   if hs else "Zero in every layer and tensor for the whole run.", ""]
+    L += mechanism_section(run, fig_dir)
     ev = _events(run)
     alerts = [a for a in run.alerts if a.get("kind") == "intervention"]
     L += ["## Interventions", ""]

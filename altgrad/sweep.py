@@ -316,12 +316,14 @@ def notebook_params(fmt: str, out, preset: str = "auto", steps: int = 500, seed:
 
 def run_notebook(fmt: str, out, preset: str = "auto", steps: int = 500, seed: int = 42, rules=None, tag: str = "",
                  interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
-                 data_dir: str = "", wandb_mode: str = "auto", progress: bool = False, overrides: dict | None = None) -> Path:
-    "Execute the experiment notebook for one format; returns `out/<name>/report.md`."
+                 data_dir: str = "", wandb_mode: str = "auto", progress: bool = False, overrides: dict | None = None,
+                 force: bool = False) -> Path:
+    "Execute the experiment notebook for one format (it reuses a matching finished run unless `force`); returns `out/<name>/report.md`."
     import papermill as pm
     name = run_name(fmt, tag); dest = Path(out) / name; dest.mkdir(parents=True, exist_ok=True)
     params = notebook_params(fmt, out, preset, steps, seed, rules, tag, interventions, master_weights, stop_on_nan, data_dir,
                              wandb_mode, overrides)
+    if force: params["force"] = True
     nb = find_notebook()
     declared = set(pm.inspect_notebook(str(nb)))
     missing = [k for k in params if k not in declared]
@@ -522,13 +524,15 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
             print(f"[altgrad-sweep] {info['note']}", flush=True)
         else:
             run, why = (None, ["--force"]) if force else check_run(dest / "run", cfg)
-            if run is not None and not (dest / "report.md").exists(): run, why = None, [f"no write-up {dest / 'report.md'}"]
+            if run is not None and not (dest / "report.md").exists():
+                print(f"[altgrad-sweep] {name}: the finished run in {dest / 'run'} has no write-up yet: writing it", flush=True)
+                run_notebook(fmt, out, rules=rules, tag=tag, overrides=overrides, **common)
             if run is not None: print(f"[altgrad-sweep] {name}: reusing the finished run in {dest}", flush=True)
             else:
                 if dest.exists() and not force: print(f"[altgrad-sweep] {name}: not reusing {dest}: {'; '.join(why)}", flush=True)
                 print(f"[altgrad-sweep] {name} ({time.time() - t0:.0f} s)", flush=True)
                 _clear(dest, (REUSED_FILE,))
-                run_notebook(fmt, out, rules=rules, tag=tag, overrides=overrides, **common)
+                run_notebook(fmt, out, rules=rules, tag=tag, overrides=overrides, force=force, **common)
                 run, why = check_run(dest / "run", cfg)
                 if run is None: raise RuntimeError(f"{name}: the experiment notebook did not leave the requested run in {dest / 'run'}: "
                                                    f"{'; '.join(why)}")

@@ -23,8 +23,8 @@ from .diagnostics import DeadNeuronTracker
 from .optim import build_optimizer, default_lr_scale
 
 # %% auto #0
-__all__ = ['lr_at', 'optional_module', 'load_data', 'seed_everything', 'build_model', 'Trainer', 'lr_scale_of', 'grid_params',
-           'quantized_cosine', 'layer_census', 'train_cli', 'bench_train']
+__all__ = ['lr_at', 'optional_module', 'load_data', 'seed_everything', 'build_model', 'Trainer', 'decay_factors', 'lr_scale_of',
+           'grid_params', 'quantized_cosine', 'layer_census', 'train_cli', 'bench_train']
 
 # %% ../nbs/17_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -140,6 +140,16 @@ def _archive_checkpoints(ckpt_dir: Path, run_dir: Path):
 def _sync(dev_type: str):
     if dev_type == "cuda": torch.cuda.synchronize()
 
+def decay_factors(optimizer) -> dict:
+    "{parameter: c}: this step's decoupled weight decay shrinks w to (1 - c) w (AdamW, Lion: c = lr*wd; Madam: 1 - 2^-(lr*wd))."
+    out = {}
+    for g in optimizer.param_groups:
+        lr, wd = g.get("lr", 0.0), g.get("weight_decay", 0.0)
+        if not wd: continue
+        c = 1.0 - 2.0 ** (-lr * wd) if type(optimizer).__name__ == "Madam" else lr * wd
+        for p in g["params"]: out[p] = c
+    return out
+
 def lr_scale_of(cfg) -> float:
     "Factor from the schedule's `lr` to the optimizer's: `cfg.lr_scale`, or the base rule's default (`optim.default_lr_scale`)."
     return cfg.lr_scale if cfg.lr_scale is not None else default_lr_scale(cfg.optimizer)
@@ -201,7 +211,7 @@ def _train_step(self: Trainer) -> dict:
         if cfg.grad_clip > 0: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if q is not None: q.quant_pre_step(model, before)
         self.optimizer.step()
-        if q is not None: m.update(q.quant_post_step(model) or {})
+        if q is not None: m.update(q.quant_post_step(model, decay_factors(self.optimizer)) or {})
         m.update(zero_update_metrics(before, model))
         self.nan_streak = 0
     else:
