@@ -94,7 +94,7 @@ class Interventions:
                 if self.stall_run[name] >= self.stall_patience and name not in shifted:
                     d = self._shift(l, name, "mantissa", fwd=True, bwd=False)
                     self.stall_run[name] = 0
-                    if d: event(name, "exponent_shift", f"{d} after {self.stall_patience} steps with {what} > "
+                    if d: event(name, "precision_shift", f"{d} after {self.stall_patience} steps with {what} > "
                                 f"{self.bit_stall_threshold:.0%} (last {s:.0%}): precision problem, one exponent bit less")
         return out
 

@@ -285,9 +285,12 @@ class QuantizedLinear(nn.Linear):
     @property
     def fmt_backward(self) -> FP8Format: return self.qg.fmt
 
-    def set_formats(self, fmt=None, fmt_backward=None):
-        "Switch the forward (W, A) and/or backward (G, dW) format; scaling state is kept."
-        if fmt is not None: self.qw.set_format(fmt); self.qa.set_format(fmt)
+    def set_formats(self, fmt=None, fmt_backward=None, reland: bool = True):
+        "Switch the forward (W, A) and/or backward (G, dW) format; scaling state is kept; weights on the grid are re-landed."
+        if fmt is not None:
+            changed = get_format(fmt) != self.qw.fmt
+            self.qw.set_format(fmt); self.qa.set_format(fmt)
+            if reland and changed and self.on_grid: self.to_grid()   # weights on the grid move to the new grid
         if fmt_backward is not None:
             self.qg.set_format(fmt_backward)
             if self.qdw is not None: self.qdw.set_format(fmt_backward)
@@ -328,7 +331,7 @@ class QuantizedLinear(nn.Linear):
         return dict(fmt=_fmt_spec(self.qw.fmt), fmt_backward=_fmt_spec(self.qg.fmt), clip_k=self.clip_k)
 
     def set_extra_state(self, state: dict):
-        self.set_formats(_fmt_from_spec(state["fmt"]), _fmt_from_spec(state["fmt_backward"]))
+        self.set_formats(_fmt_from_spec(state["fmt"]), _fmt_from_spec(state["fmt_backward"]), reland=False)  # saved weights are already there
         self.clip_k = state.get("clip_k")
 
     def extra_repr(self) -> str:

@@ -471,7 +471,8 @@ def precision_note(run: Run) -> str:
          f"({rnd}) to {fmts} with per-{cfg.get('granularity') or 'tensor'} {cfg.get('scaling') or 'delayed'} scaling."]
     if n and q < n: L.append(("The other linear layer stays" if n - q == 1 else f"The other {n - q} linear layers stay")
                              + f" in high precision (precision rules: {cfg.get('rules') or 'none'}).")
-    not8 = ["the attention products QKᵀ and AV", "the tied token embedding / LM head", "biases", "LayerNorm", "softmax",
+    not8 = ["the attention products QKᵀ and AV", "the tied token embedding / LM head", "the position embedding", "biases",
+            "LayerNorm", "GELU", "softmax",
             "the residual stream", f"the optimizer state ({cfg.get('optimizer', 'adamw')})"]
     L.append(f"**Not 8-bit** ({hp}): " + ", ".join(not8) + ".")
     if cfg.get("master_weights", "fp32") == "format":

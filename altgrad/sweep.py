@@ -8,6 +8,7 @@ import argparse, hashlib, json, math, re, shutil, sys, time, warnings
 from dataclasses import fields
 from pathlib import Path
 import numpy as np
+import yaml
 import matplotlib
 import matplotlib.pyplot as plt
 import torch
@@ -142,7 +143,11 @@ def check_run(run_dir, cfg=None, finished=FINISHED) -> tuple:
     elif reason == "max_steps" and summ.get("final_step") != summ.get("max_steps"):
         why.append(f"stopped at step {summ.get('final_step')} of {summ.get('max_steps')}")
     if cfg is not None:
-        try: why += config_diff(saved_config(d), cfg)
+        try:
+            raw = yaml.safe_load((d / "config.yaml").read_text()) or {}
+            lacks = [k for k in TrainConfig.__dataclass_fields__ if k not in raw and not _ignored(k)]
+            if lacks: why.append(f"config.yaml lacks {', '.join(lacks)} (written by older code; its defaults may not be what ran)")
+            why += config_diff(saved_config(d), cfg)
         except (ConfigError, OSError, ValueError) as e: why.append(f"config.yaml unusable: {e}")
     if why: return None, why
     try: run = load_run(d)

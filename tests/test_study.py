@@ -1,0 +1,192 @@
+"System tests of the multi-seed study (altgrad.study) on the smoke preset: two shards plus --collect, the CLI, papermill."
+import contextlib, io, json, os, shutil, subprocess, sys
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# 2 formats x 2 rules (+ the fp32-master regime, needed for the recovered fraction) x 2 seeds, one LR multiplier
+ARGS = ["--preset", "smoke", "--formats", "E4M3,E7M0", "--rules", "nearest,kahan", "--seeds", "42,43", "--steps", "6",
+        "--lr-mults", "1"]
+N_RUNS = 2 * 2 + 2 * 3 * 2            # references (FP32, BF16) per seed + formats x regimes x seeds
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eager_kernels():
+    "Smoke-sized tensors: eager quantization kernels (ALTGRAD_COMPILE=never, same numbers) save each process the torch.compile warm-up."
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ALTGRAD_COMPILE", "never")
+        yield
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    "A small prepared EurLex folder shared by the tests (--data-dir), so no test tokenizes the whole sample."
+    from altgrad.data import prepare_eurlex, shared_data_dir
+    d = tmp_path_factory.mktemp("data") / "eurlex"
+    prepare_eurlex(d, source=shared_data_dir() / "eurlex", max_docs=300, progress=False)
+    return d
+
+
+def cli(*args):
+    "The console script (or, before `pip install -e .` knows it, the same entry point through python)."
+    exe = shutil.which("altgrad-study")
+    cmd = [exe] if exe else [sys.executable, "-c", "import sys; from altgrad.study import study_cli; sys.exit(study_cli(sys.argv[1:]))"]
+    return subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=900)
+
+
+def inproc(*args) -> tuple[int, str]:
+    "`study_cli` in this process (no second import of torch, no second kernel compile); (exit code, stdout + stderr)."
+    from altgrad.study import study_cli
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf): rc = study_cli([str(a) for a in args])
+    return rc, buf.getvalue()
+
+
+def names(folder) -> set:
+    return {p.name for p in (Path(folder) / "runs").iterdir()} if (Path(folder) / "runs").is_dir() else set()
+
+
+def check_numbers(out: Path) -> dict:
+    "Every run number in study.json equals what its run folder says; every cell statistic follows from them."
+    from altgrad.report import load_run
+    from altgrad.study import final_loss
+    st = json.loads((out / "study.json").read_text())
+    for name, rec in st["runs"].items():
+        run = load_run(out / rec["dir"])
+        assert rec["final_val_loss"] == final_loss(run), name
+        if rec["final_val_loss"] is not None: assert rec["final_val_loss"] == run.last("val/loss") == run.summary["final_val_loss"]
+    loss = lambda d: st["runs"][Path(d).name]["final_val_loss"]
+    mean = lambda xs: sum(xs) / len(xs)
+    for f, per in st["cells"].items():
+        ctrl = [loss(d) for d in per["nearest"]["runs"]]
+        for r, c in per.items():
+            L = [loss(d) for d in c["runs"]]
+            ok = [x for x in L if x is not None]
+            assert c["loss"]["n"] == len(ok) and (not ok or c["loss"]["mean"] == pytest.approx(mean(ok)))
+            if r != "nearest":
+                d = [a - b for a, b in zip(ctrl, L) if a is not None and b is not None]
+                assert c["benefit"]["n"] == len(d) and (not d or c["benefit"]["mean"] == pytest.approx(mean(d)))
+    md = (out / "answer.md").read_text()
+    assert st["answer"] in md and md.index(st["answer"]) < md.index("## Results per format × rule")
+    for f in st["plan"]["formats"]:
+        for r in st["plan"]["rules"]: assert f"| {f} | {r} | " in md
+    for fig in st["figures"].values(): assert (out / fig).exists()
+    return st
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory, small_data):
+    "The smoke study trained as two shards and merged with --collect; the later tests reuse this folder."
+    root = tmp_path_factory.mktemp("study")
+    shards, logs = [root / "shard0", root / "shard1"], []
+    for i, s in enumerate(shards):
+        rc, log = inproc(*ARGS, "--data-dir", small_data, "--out", s, "--shard", f"{i}/2")
+        assert rc == 0, log[-3000:]
+        logs.append(log)
+    out = root / "study"
+    rc, log = inproc(*ARGS, "--data-dir", small_data, "--out", out, "--collect", *shards)
+    assert rc == 0, log[-3000:]
+    return dict(out=out, shards=shards, data=small_data, logs=logs, collect_log=log)
+
+
+def test_shards_and_collect(study):
+    out, (s0, s1) = study["out"], study["shards"]
+    a, b = names(s0), names(s1)
+    assert a and b and not (a & b) and len(a | b) == N_RUNS, (sorted(a), sorted(b))      # a partition of the matrix
+    assert abs(len(a) - len(b)) <= 1
+    assert not (s0 / "answer.md").exists() and "shard 0/2 done" in study["logs"][0]
+    assert names(out) == a | b and f"0 already here, {N_RUNS} collected" in study["collect_log"], study["collect_log"][-2000:]
+    for n in names(out):
+        d = out / "runs" / n
+        assert (d / "config.yaml").exists() and (d / "summary.json").exists() and (d / "metrics.parquet").exists()
+        assert not any(d.glob("checkpoints*")), "checkpoints are removed once a run finished"
+    st = check_numbers(out)
+    assert st["complete"] and st["plan"]["rules"] == ["fp32", "nearest", "kahan"] and st["plan"]["seeds"] == [42, 43]
+    assert set(st["references"]) == {"fp32", "bf16"}
+    import yaml
+    assert yaml.safe_load((out / "runs" / "ref-bf16-s42" / "config.yaml").read_text())["precision"] == "bf16"
+    k = yaml.safe_load((out / "runs" / "E4M3-kahan-x1-s43" / "config.yaml").read_text())
+    assert (k["master_weights"], k["weight_update"], k["optimizer"], k["seed"], k["fmt"]) == ("format", "kahan", "adamw", 43, "E4M3")
+
+
+def test_cli_reuses_and_report_only(study):
+    out, data = study["out"], study["data"]
+    # a run whose config no longer matches is trained again, saying why; every other run is reused
+    cfg = out / "runs" / "ref-fp32-s43" / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("\nlr: 0.001\n", "\nlr: 0.002\n"))
+    r = cli(*ARGS, "--data-dir", data, "--out", out)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "ref-fp32-s43: not reusing" in r.stdout and "lr: 0.002 -> 0.001" in r.stdout, r.stdout[-2000:]
+    assert f"{N_RUNS - 1} reused, 1 trained" in r.stdout
+    # a second invocation reuses every run
+    r = cli(*ARGS, "--data-dir", data, "--out", out)
+    assert r.returncode == 0 and f"{N_RUNS} reused, 0 trained" in r.stdout and "not reusing" not in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    check_numbers(out)
+    md, js = (out / "answer.md").read_text(), (out / "study.json").read_text()
+    # regenerated from the run folders alone: byte-identical
+    for p in ("answer.md", "study.json"): (out / p).unlink()
+    r = cli("--out", out, "--report-only")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "answer.md").read_text() == md and (out / "study.json").read_text() == js
+    assert "altgrad-study --out" in md and "--report-only" in md and "--preset smoke" in md
+
+
+def test_papermill_reuses(study):
+    import papermill as pm
+    out, data = study["out"], study["data"]
+    md = (out / "answer.md").read_text()
+    nb_out = out.parent / "run_study.ipynb"
+    pm.execute_notebook(str(ROOT / "nbs" / "run_study.ipynb"), str(nb_out), cwd=str(ROOT), kernel_name="python3", progress_bar=False,
+                        parameters=dict(preset="smoke", out=str(out), formats="E4M3,E7M0", rules="nearest,kahan", seeds="42,43",
+                                        steps=6, lr_mults="1", data_dir=str(data)))
+    text = "".join("".join(o.get("text", "")) + json.dumps(o.get("data", {})) for c in json.loads(nb_out.read_text())["cells"]
+                   for o in c.get("outputs", []))
+    assert "'trained': 0" in text and f"'reused': {N_RUNS}" in text, text[-2000:]
+    assert "Which 8-bit format benefits most" in text and "image/png" in text
+    assert (out / "answer.md").read_text() == md
+
+
+def test_lr_phase_across_shards(study, tmp_path):
+    """Two multipliers: shards run the LR phase, --collect chooses the rate, shards run the seed phase with --lr-choice.
+    Each shard starts with the smoke study's runs of its own share (same references and x1 runs), so only x3 runs train."""
+    import re
+    from altgrad.study import make_plan, lr_specs, shard_specs
+    args = ["--preset", "smoke", "--formats", "E4M3", "--rules", "nearest", "--seeds", "42,43", "--steps", "6",
+            "--lr-mults", "1,3", "--data-dir", study["data"]]
+    shards, out = [tmp_path / "s0", tmp_path / "s1"], tmp_path / "study"
+    plan = make_plan("smoke", "E4M3", "nearest", "42,43", 6, "1,3")
+    for i, s in enumerate(shards):
+        for sp in shard_specs(lr_specs(plan), (i, 2)):
+            if (study["out"] / "runs" / sp.name).is_dir(): shutil.copytree(study["out"] / "runs" / sp.name, s / "runs" / sp.name)
+    trained = lambda log: sum(int(n) for n in re.findall(r"(\d+) trained", log))
+    logs = []
+    for i, s in enumerate(shards):
+        rc, log = inproc(*args, "--out", s, "--shard", f"{i}/2")
+        assert rc == 0 and "the seed phase needs every LR run" in log, log[-2000:]
+        logs.append(log)
+    assert sum(map(trained, logs)) == 2                      # E4M3 x {fp32, nearest} at x3, seed 42 (the x1 runs are reused)
+    rc, log = inproc(*args, "--out", out, "--collect", *shards)
+    assert rc == 0 and "2 runs missing" in log, log[-2000:]
+    assert len(names(out)) == 4 + 4                          # references + E4M3 x {fp32, nearest} x {x1, x3} at seed 42
+    choice = json.loads((out / "lr_choice.json").read_text())
+    from altgrad.report import load_run
+    from altgrad.study import final_loss
+    for rule in ("fp32", "nearest"):
+        l1, l3 = (final_loss(load_run(out / "runs" / f"E4M3-{rule}-x{m}-s42")) for m in ("1", "3"))
+        assert choice["mults"][rule] == (1.0 if l1 <= l3 else 3.0), (rule, l1, l3)
+    assert "**Incomplete:** 2 of" in (out / "answer.md").read_text()
+    # a choice made for another study is refused
+    rc, log = inproc(*[a if a != "6" else "7" for a in args], "--out", shards[0], "--shard", "0/2", "--lr-choice", out / "lr_choice.json")
+    assert rc == 2 and "belongs to another study" in log and "steps: 6 there, 7 here" in log, log[-2000:]
+    logs = []
+    for i, s in enumerate(shards):
+        rc, log = inproc(*args, "--out", s, "--shard", f"{i}/2", "--lr-choice", out / "lr_choice.json")
+        assert rc == 0 and f"shard {i}/2 done" in log, log[-2000:]
+        logs.append(log)
+    assert sum(map(trained, logs)) == 2                      # E4M3 x {fp32, nearest} at seed 43, the chosen multiplier
+    rc, log = inproc(*args, "--out", out, "--collect", *shards)
+    assert rc == 0 and "8 already here, 2 collected" in log, log[-2000:]
+    st = check_numbers(out)
+    assert st["complete"] and st["lr_choice"]["mults"] == choice["mults"]
+    for rule, m in choice["mults"].items():
+        assert (out / "runs" / f"E4M3-{rule}-x{m:g}-s43").is_dir()
