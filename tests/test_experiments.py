@@ -101,25 +101,34 @@ def test_sweep_reference_incomplete_is_retrained(tmp_path, small_data):
     assert load_run(ref).metrics[-1]["step"] == 6
 
 
-def test_reference_from_git_clone_is_not_reused(tmp_path, monkeypatch, capsys):
-    "The committed outputs/ as a fresh `git clone` has it: the reference folder holds summary.json but no per-step metrics."
+def test_reference_from_git_clone(tmp_path, monkeypatch, capsys):
+    """The committed outputs/ as a fresh `git clone` has it: every committed run folder is complete (its per-step
+    metrics load from metrics.parquet), the reference is reused for the same config and data, and retrained, saying
+    why, for other data. (Before: summary.json without metrics fooled the completeness check and the main job crashed.)"""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=300)
-    ref = clone / "outputs" / "_reference" / "cpu-s42-n500"
-    if not (ref / "summary.json").exists(): pytest.skip("no committed reference run in outputs/_reference")
     from altgrad import sweep as sw
+    from altgrad.report import load_run
     from altgrad.data import prepare_eurlex, shared_data_dir
-    summ = json.loads((ref / "summary.json").read_text())
-    assert summ["stopped_reason"] == "max_steps" and summ["final_step"] == 500   # what fooled the old completeness check
-    run, why = sw.check_run(ref)
-    assert run is None and any("per-step metrics" in w for w in why), why
-    monkeypatch.chdir(clone)                                 # the committed config's data_dir is relative to the repository
-    prepare_eurlex("outputs/_data/eurlex", source=shared_data_dir() / "eurlex", max_docs=50, progress=False)
+    runs = [p.parent for p in (clone / "outputs").rglob("summary.json") if (p.parent / "config.yaml").exists()]
+    assert runs, "no committed run folders"
+    for d in runs:
+        assert not (d / "metrics.jsonl").exists()                      # git-ignored: what a clone does not have
+        run, why = sw.check_run(d)
+        assert run is not None and why == [], (d, why)
+        assert run.metrics[-1]["step"] == json.loads((d / "summary.json").read_text())["final_step"], d
+    ref = Path("outputs/_reference/cpu-s42-n500")
+    monkeypatch.chdir(clone)
     calls = []
     monkeypatch.setattr(sw, "train", lambda cfg: calls.append(cfg) or {})
-    d = sw.reference_run("outputs", "cpu", 42, 500, data_dir="outputs/_data/eurlex", wandb_mode="offline")
-    assert d == Path("outputs/_reference/cpu-s42-n500") and len(calls) == 1 and calls[0].out_dir == str(d)
-    assert "not reusing the reference run" in capsys.readouterr().out
+    prepare_eurlex("outputs/_data/eurlex", source=shared_data_dir() / "eurlex", progress=False)     # the committed runs' data
+    assert sw.reference_run("outputs", "cpu", 42, 500, data_dir="outputs/_data/eurlex", wandb_mode="offline") == ref
+    assert calls == [] and "reusing reference run" in capsys.readouterr().out
+    prepare_eurlex("small", source=shared_data_dir() / "eurlex", max_docs=50, progress=False)      # other data: retrained
+    assert sw.reference_run("outputs", "cpu", 42, 500, data_dir="small", wandb_mode="offline") == ref
+    assert len(calls) == 1 and calls[0].out_dir == str(ref)
+    out = capsys.readouterr().out
+    assert "not reusing the reference run" in out and "different token content" in out, out
 
 
 def test_sweep_equivalent_formats_train_once(tmp_path, small_data):
