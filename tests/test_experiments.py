@@ -42,15 +42,6 @@ def test_reference_reused(out):
     assert len(refs) == 1 and (refs[0] / "summary.json").exists()
 
 
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory):
-    "A small prepared EurLex folder shared by the sweep tests (--data-dir), so no test tokenizes the whole sample."
-    from altgrad.data import prepare_eurlex, shared_data_dir
-    d = tmp_path_factory.mktemp("data") / "eurlex"
-    prepare_eurlex(d, source=shared_data_dir() / "eurlex", max_docs=300, progress=False)
-    return d
-
-
 def sweep(out, data, *args, steps=8):
     return subprocess.run(["altgrad-sweep", "--preset", "smoke", "--out", str(out), "--steps", str(steps), "--data-dir", str(data),
                            "--no-retry", *args], cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=600)

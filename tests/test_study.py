@@ -18,15 +18,6 @@ def eager_kernels():
         yield
 
 
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory):
-    "A small prepared EurLex folder shared by the tests (--data-dir), so no test tokenizes the whole sample."
-    from altgrad.data import prepare_eurlex, shared_data_dir
-    d = tmp_path_factory.mktemp("data") / "eurlex"
-    prepare_eurlex(d, source=shared_data_dir() / "eurlex", max_docs=300, progress=False)
-    return d
-
-
 def cli(*args):
     "The console script (or, before `pip install -e .` knows it, the same entry point through python)."
     exe = shutil.which("altgrad-study")
