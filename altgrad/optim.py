@@ -139,12 +139,12 @@ class Madam(torch.optim.Optimizer):
                 st["step"] += 1
                 v, t, mx = st["exp_avg_sq"], st["step"], st["max"]
                 v.mul_(beta).addcmul_(g, g, value=1 - beta)
-                vhat = v / (1 - beta ** t)
-                gh = torch.where(vhat > 0, g / vhat.sqrt(), torch.zeros_like(g)).clamp_(-group["g_bound"], group["g_bound"])
-                d = gh.mul_(p.sign())
+                d = v.div(1 - beta ** t).sqrt_()                        # sqrt(v̂), then ĝ = g/sqrt(v̂) in place:
+                d = torch.div(g, d, out=d).nan_to_num_(0.0, 0.0, 0.0)   # non-finite only where v̂ = 0 (then ĝ := 0)
+                d.clamp_(-group["g_bound"], group["g_bound"]).mul_(p.sign())
                 if wd != 0: d.add_(wd)
                 if not group["integer_exponent"]:
-                    p.mul_(torch.exp2(d.mul_(-lr))).clamp_(-mx, mx)
+                    p.mul_(d.mul_(-lr).exp2_()).clamp_(-mx, mx)
                     continue
                 d = round_exponent(d.mul_(-lr * group["exp_lr_scale"]), group["exp_rounding"],
                                    sr_seed(group["seed"], t, index) if group["exp_rounding"] == "stochastic" else None)

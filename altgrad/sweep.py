@@ -34,7 +34,7 @@ NOT_IN_REFERENCE = ("fmt", "fmt_backward", "scaling", "granularity", "block_size
                     "interventions", "stop_on_nan", "shadow", "optimizer")
 SWEEP_KEYS = dict(fmt="--formats", fmt_backward="--formats", rules="(retries set them)", max_steps="--steps", seed="--seed",
                   out_dir="--out", data_dir="--data-dir", interventions="--interventions", master_weights="--master-weights",
-                  stop_on_nan="(follows --interventions)", shadow="(on for formats, off for the reference)",
+                  stop_on_nan="(follows --interventions)",
                   wandb_mode="--wandb-mode", resume="(finished runs are reused)")
 
 def resolve_preset(preset: str) -> str:
