@@ -12,8 +12,8 @@ import matplotlib.pyplot as plt
 from .formats import get_format
 
 # %% auto #0
-__all__ = ['MATRIX_RULES', 'MATRIX_METRICS', 'rule_of', 'read_sweep', 'rule_matrix', 'matrix_markdown', 'plot_matrix',
-           'write_matrix']
+__all__ = ['MATRIX_RULES', 'MATRIX_METRICS', 'MATRIX_FILE', 'rule_of', 'read_sweep', 'rule_matrix', 'matrix_markdown',
+           'plot_matrix', 'write_matrix']
 
 # %% ../nbs/33_matrix.ipynb #8faa589d
 MATRIX_RULES = ("nearest", "stochastic", "kahan", "madam", "lion")
@@ -115,9 +115,17 @@ def plot_matrix(m: dict):
     axs[1].set_ylim(0, 1); axs[0].legend(fontsize=8, ncol=2)
     fig.tight_layout(); return fig
 
-def write_matrix(root, title: str = "Update rules × formats (one seed)", note: str = "") -> Path:
-    "Write `root/summary.md`, `root/matrix.json` and `root/matrix.png` from the sweeps under `root`; returns summary.md."
+MATRIX_FILE = "matrix.json"
+
+def write_matrix(root, title: str | None = None, note: str | None = None) -> Path:
+    """Write `root/summary.md`, `root/matrix.json` and `root/matrix.png` from the sweeps under `root`; returns summary.md.
+
+    `title` and `note` (the settings paragraph) are stored in matrix.json; left None, the stored ones are kept."""
     root = Path(root); m = rule_matrix(root)
-    (root / "matrix.json").write_text(json.dumps(m, indent=1))
+    old = json.loads((root / MATRIX_FILE).read_text()) if (root / MATRIX_FILE).exists() else {}
+    m["title"] = title if title is not None else old.get("title", "Update rules × formats (one seed)")
+    m["note"] = note if note is not None else old.get("note", "")
+    title, note = m["title"], m["note"]
+    (root / MATRIX_FILE).write_text(json.dumps(m, indent=1))
     fig = plot_matrix(m); fig.savefig(root / "matrix.png", dpi=110); plt.close(fig)
     p = root / "summary.md"; p.write_text(matrix_markdown(m, title, note)); return p

@@ -21,7 +21,7 @@ __all__ = ['SMOOTH_WINDOW', 'AVG_STEPS', 'LAYER_GROUPS', 'MECHANISM_COLUMNS', 'R
            'layer_group', 'has_mechanism', 'layer_groups', 'mechanism_table', 'mechanism_rule', 'plot_mechanism',
            'ratio_histograms', 'share_below_half', 'plot_ratio_histograms', 'mechanism_section', 'write_report',
            'is_writeup', 'is_sweep', 'find_writeups', 'find_sweeps', 'report_inputs', 'regenerate_report',
-           'regenerate_summary', 'report_cli']
+           'regenerate_summary', 'report_cli', 'find_matrices']
 
 # %% ../nbs/30_report.ipynb #5e4f383e
 def _read_json(p: Path, default):
@@ -876,4 +876,13 @@ def report_cli(argv: list[str] | None = None) -> int:
         for s in find_sweeps(root):
             path, what = regenerate_summary(s, unigram)
             print(f"[altgrad-report] {path or s / 'summary.md'}: {what}", file=sys.stdout if path else sys.stderr)
+        for m in find_matrices(root):                     # after the sweeps: a matrix tabulates their summaries
+            from altgrad.matrix import write_matrix
+            print(f"[altgrad-report] {write_matrix(m)}")
     return 1 if skipped else 0
+
+def find_matrices(path) -> list[Path]:
+    "Every rule-matrix folder (holding `matrix.json`, see `altgrad.matrix`) at or below `path`, deepest first."
+    p = Path(path)
+    if is_writeup(p): return []
+    return [m for c in _subdirs(p) for m in find_matrices(c)] + ([p] if (p / "matrix.json").exists() else [])
