@@ -18,12 +18,13 @@ from .report import load_run, run_summary, write_report, fmt_num, short_layer
 
 # %% auto #0
 __all__ = ['SEED_ORDER', 'POST_LN_RULES', 'IGNORED_KEYS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'FINISHED', 'REUSED_FILE',
-           'NOTEBOOK_OVERRIDE_PARAMS', 'TABLE_HEAD', 'resolve_preset', 'run_name', 'reference_overrides',
-           'reference_dir', 'ensure_data', 'train', 'saved_config', 'data_identity', 'config_diff', 'check_run',
-           'reference_run', 'format_config', 'grid_key', 'reuse_note', 'reuse_marker', 'mark_reused', 'RetryRefused',
-           'model_layers', 'hot_layers', 'retry_rules', 'find_notebook', 'notebook_params', 'run_notebook', 'load_runs',
-           'count_8bit_layers', 'summary_row', 'summary_rows', 'plot_sweep', 'plot_reference', 'write_summary',
-           'check_overrides', 'settings_note', 'run_sweep', 'sweep_cli']
+           'NOTEBOOK_OVERRIDE_PARAMS', 'TABLE_HEAD', 'UPDATE_RULES', 'resolve_preset', 'run_name',
+           'reference_overrides', 'reference_dir', 'ensure_data', 'train', 'saved_config', 'data_identity',
+           'config_diff', 'check_run', 'reference_run', 'format_config', 'grid_key', 'reuse_note', 'reuse_marker',
+           'mark_reused', 'RetryRefused', 'model_layers', 'hot_layers', 'retry_rules', 'find_notebook',
+           'notebook_params', 'run_notebook', 'load_runs', 'count_8bit_layers', 'summary_row', 'summary_rows',
+           'plot_sweep', 'plot_reference', 'write_summary', 'check_overrides', 'settings_note', 'run_sweep',
+           'update_rule_overrides', 'matrix_note', 'sweep_cli']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
 SEED_ORDER = ["E5M2", "E3M4", "E1M6", "E7M0", "E0M7", "E4M3"]
@@ -559,8 +560,33 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
         write_summary(out, names, ref, preset, steps, seed, note, uni, notes, loaded)
     return write_summary(out, names, ref, preset, steps, seed, note, uni, notes, loaded)
 
+UPDATE_RULES = {"nearest": dict(weight_update="nearest"), "stochastic": dict(weight_update="stochastic"),
+                "kahan": dict(weight_update="kahan"), "madam": dict(optimizer="madam", weight_update="nearest"),
+                "lion": dict(optimizer="lion", weight_update="nearest")}
+
+def update_rule_overrides(rules: str, overrides: dict) -> dict:
+    "`{rule: overrides}` for `--update-rules` ('all' or comma-separated `UPDATE_RULES` names) on top of `overrides`."
+    names = list(UPDATE_RULES) if rules.strip() == "all" else [r.strip() for r in rules.split(",") if r.strip()]
+    bad = [r for r in names if r not in UPDATE_RULES]
+    if bad or not names: raise ConfigError(f"unknown update rule(s) {', '.join(bad) or '(none)'}; valid: {', '.join(UPDATE_RULES)} or all")
+    clash = sorted(k for k in ("optimizer", "weight_update") if k in overrides)
+    if clash: raise ConfigError(f"--update-rules sets {' and '.join(clash)} itself: drop --{clash[0].replace('_', '-')}")
+    return {r: {**overrides, **UPDATE_RULES[r]} for r in names}
+
+def matrix_note(preset: str, steps: int, seed: int, overrides: dict, formats) -> str:
+    "The settings paragraph of a rule matrix (see `altgrad.matrix`)."
+    c = load_config(resolve_preset(preset), **{k: v for k, v in overrides.items() if k not in ("optimizer", "weight_update")})
+    from altgrad.optim import default_lr_scale
+    lrs = ", ".join(f"{o} {c.lr * default_lr_scale(o):.3g}" for o in ("adamw", "madam", "lion"))
+    return (f"Preset `{resolve_preset(preset)}`, {steps} steps, seed {seed}, formats {', '.join(formats)}; every 8-bit "
+            f"layer's weights live on its grid (`master_weights=format`); FP32 shadow {'off' if overrides.get('shadow') is False else 'on'}; "
+            f"learning rates (each optimizer's default multiple of the preset's): {lrs}. Config overrides: "
+            + (", ".join(f"`{k}={v}`" for k, v in sorted(overrides.items())) or "none")
+            + ". Each column is one `altgrad-sweep` folder; every cell's write-up is `<rule>/<format>/report.md`. "
+            "One seed: a description of this run, not evidence about formats (see `altgrad-study`).")
+
 def sweep_cli(argv: list[str] | None = None) -> int:
-    "`altgrad-sweep --preset PRESET --out DIR [--steps N] [--seed S] [--formats E5M2,E3M4] [--no-retry] [--optimizer O] [--set key=value]`"
+    "`altgrad-sweep --preset PRESET --out DIR [--steps N] [--seed S] [--formats E5M2,E3M4] [--no-retry] [--optimizer O] [--update-rules all] [--set key=value]`"
     p = argparse.ArgumentParser(prog="altgrad-sweep", description="Train every 8-bit format and write DIR/summary.md")
     p.add_argument("--preset", default="auto"); p.add_argument("--out", default="outputs")
     p.add_argument("--steps", type=int, default=500); p.add_argument("--seed", type=int, default=42)
@@ -572,6 +598,8 @@ def sweep_cli(argv: list[str] | None = None) -> int:
                    help="fp32 master weights (standard) or weights kept on the 8-bit grid after every step")
     p.add_argument("--optimizer", help="base optimizer of every run (TrainConfig.optimizer, e.g. adamw, madam, lion)")
     p.add_argument("--weight-update", help="how w+u lands on the grid with --master-weights format (e.g. nearest, stochastic, kahan)")
+    p.add_argument("--update-rules", metavar="RULES", help="with --master-weights format: one sweep per update rule "
+                   f"({', '.join(UPDATE_RULES)}, comma-separated, or all) into DIR/<rule>, then the table DIR/summary.md")
     p.add_argument("--rounding", help="rounding of the GEMM operands W, A, G (nearest, stochastic)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other TrainConfig override for every run (repeatable), e.g. --set lr=3e-4")
@@ -585,9 +613,18 @@ def sweep_cli(argv: list[str] | None = None) -> int:
             if k in overrides and overrides[k] != v: raise ConfigError(f"{k} is given twice: --{k.replace('_', '-')} {v} and --set {k}={overrides[k]}")
             overrides[k] = v
         check_overrides(overrides)
-        load_config(resolve_preset(a.preset), **overrides)
+        if a.update_rules is not None:
+            if a.master_weights != "format": raise ConfigError("--update-rules needs --master-weights format (the rules decide how updates land on the grid)")
+            per_rule = update_rule_overrides(a.update_rules, overrides)
+        else: per_rule = {None: overrides}
+        for ov in per_rule.values(): load_config(resolve_preset(a.preset), **ov)
     except (ValueError, ConfigError) as e:
         print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
-    print(run_sweep(a.preset, a.out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir, a.wandb_mode, a.force,
-                    a.master_weights, overrides))
+    for rule, ov in per_rule.items():
+        out = Path(a.out) / rule if rule else a.out
+        print(run_sweep(a.preset, out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir, a.wandb_mode, a.force,
+                        a.master_weights, ov))
+    if a.update_rules is not None:
+        from altgrad.matrix import write_matrix
+        print(write_matrix(a.out, note=matrix_note(a.preset, a.steps, a.seed, overrides, fmts)))
     return 0
