@@ -54,22 +54,27 @@ def two_ranks(small_data, tmp_path_factory):
     return tmp / "run", states
 
 
-def test_two_ranks_match_one_process_with_grad_accum(two_ranks, small_data, tmp_path):
-    "2 ranks x batch 2 = 1 process x batch 2 x grad_accum 2: same batches, losses within 1e-5; same scales on every rank."
-    from altgrad.config import load_config
+@pytest.fixture(scope="module")
+def one_process(small_data, tmp_path_factory):
+    "The same global batch in one plain process (this pytest process, no torchrun): batch 2 x grad_accum 2."
+    from altgrad.config import load_config, parse_overrides
     from altgrad.trainer import Trainer
-    run, (s0, s1) = two_ranks
-    over = dict(kv.split("=") for kv in STEPS)
-    cfg = load_config("smoke", data_dir=str(small_data), out_dir=str(tmp_path / "one"), fmt="E4M3", grad_accum=2,
-                      **{k: (v if k == "wandb_mode" else int(v)) for k, v in over.items()})
+    out = tmp_path_factory.mktemp("one") / "run"
+    cfg = load_config("smoke", **parse_overrides([f"data_dir={small_data}", f"out_dir={out}", *STEPS, "fmt=E4M3", "grad_accum=2"]))
     Trainer(cfg, progress=False).fit()
-    one, two = _losses(tmp_path / "one"), _losses(run)
+    return out
+
+
+def test_two_ranks_match_one_process_with_grad_accum(two_ranks, one_process):
+    "2 ranks x batch 2 = 1 process x batch 2 x grad_accum 2: same batches, losses within 1e-5; same scales on every rank."
+    run, (s0, s1) = two_ranks
+    one, two = _losses(one_process), _losses(run)
     assert sorted(two) == sorted(one) == list(range(1, 7))
     for s in one: assert abs(two[s] - one[s]) <= 1e-5 * abs(one[s]), (s, two[s], one[s])
-    assert abs(_losses(run, "val/loss")[6] - _losses(tmp_path / "one", "val/loss")[6]) <= 1e-5 * _losses(run, "val/loss")[6]
+    assert abs(_losses(run, "val/loss")[6] - _losses(one_process, "val/loss")[6]) <= 1e-5 * _losses(run, "val/loss")[6]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_batch"] == 4 and summary["final_step"] == 6
-    assert json.loads((tmp_path / "one" / "summary.json").read_text())["global_batch"] == 4
+    assert json.loads((one_process / "summary.json").read_text())["global_batch"] == 4
     # every scale, amax history and weight is the same on both ranks (bit for bit)
     scales = [k for k in s0 if k.endswith((".scale", ".history", ".grid_scale"))]
     assert len([k for k in scales if k.endswith(".scale") and s0[k].numel()]) == 8 * 3      # W, A, G of 8 layers
@@ -79,11 +84,28 @@ def test_two_ranks_match_one_process_with_grad_accum(two_ranks, small_data, tmp_
     assert len([ln for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]) == 6
 
 
+def test_one_worker_is_the_single_process_run(one_process, small_data, tmp_path):
+    "torchrun with one worker (WORLD_SIZE=1) takes the single-process path: every logged metric bit-identical."
+    from altgrad.tracking import read_metrics
+    r = _run(_torchrun("-m", "altgrad.trainer", "smoke", f"data_dir={small_data}", f"out_dir={tmp_path / 'run'}", *STEPS,
+                       "fmt=E4M3", "grad_accum=2", "--no-progress", n=1))
+    assert r.returncode == 0, r.stderr[-3000:]
+    strip = lambda d: [{k: v for k, v in x.items() if not k.startswith("perf/")} for x in read_metrics(d)]
+    got, want = strip(tmp_path / "run"), strip(one_process)
+    assert len(got) == 6 and json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 1
+
+
 def test_weights_on_grid_identical_across_ranks(small_data, tmp_path):
-    "master_weights=format with stochastic landing: after 20 steps the parameters are bit-equal on both ranks."
+    """master_weights=format with stochastic landing: after 20 steps the parameters are bit-equal on both ranks, also
+    after a step whose gradient was NaN on rank 1 only (both ranks skipped it: one NaN policy)."""
     s0, s1 = _worker(small_data, tmp_path / "run", tmp_path / "dump", "fmt=E4M3", "master_weights=format",
-                     "weight_update=stochastic", "max_steps=20", "eval_interval=20", "checkpoint_interval=20", "shadow=false")
+                     "weight_update=stochastic", "max_steps=20", "eval_interval=20", "checkpoint_interval=20", "shadow=false",
+                     DIST_WORKER_NAN="1:3")
     assert _losses(tmp_path / "run")[20] > 0
+    skipped = _losses(tmp_path / "run", "train/skipped")
+    assert [s for s in skipped if skipped[s]] == [3] and _losses(tmp_path / "run", "nan/streak") == {3: 1}
+    assert list((tmp_path / "run" / "checkpoints").glob("anomaly_step_000003.pt"))       # written once, by rank 0
     grid = [k for k in s0 if k.endswith("grid_scale")]
     assert len(grid) == 8 and all(s0[k].numel() for k in grid)
     assert [k for k in s0 if not torch.equal(s0[k], s1[k])] == []
