@@ -13,13 +13,15 @@ import torch.nn.functional as F
 from .formats import COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_mode, get_format, quantize
 from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale
 from .diagnostics import bit_histogram, range_edges, stall_counts
+from .distributed import all_reduce_max, all_reduce_sum, is_distributed
 from .grid import (WEIGHT_UPDATES, RESIDUAL_DTYPES, land, regrid_scale, store_residual, update_stats, stats_dict, STAT_FIELDS,
                           ratio_histogram)
 
 # %% auto #0
 __all__ = ['SCALINGS', 'MASTER_WEIGHTS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer',
            'QuantizedLinear', 'LayerPrecisionRule', 'quantize_model', 'quantize_model_from_config', 'quantized_layers',
-           'quant_pre_step', 'quant_post_step', 'commit_amax', 'set_accumulation', 'quant_metrics', 'quant_histograms']
+           'quant_pre_step', 'quant_post_step', 'commit_amax', 'set_distributed', 'set_accumulation', 'quant_metrics',
+           'quant_histograms']
 
 # %% ../nbs/20_quantized.ipynb #5b149faf
 SCALINGS = ("delayed", "current")
@@ -108,6 +110,8 @@ class TensorQuantizer(nn.Module):
         self.rounding, self.margin, self.sr_seed = rounding, margin, int(sr_seed)
         self.register_buffer("sr_count", torch.zeros((), dtype=torch.int64))            # stochastic roundings so far
         self._sr_n = 0                                                                  # its python mirror (no syncs)
+        self.sync_amax = False              # data parallel: max-reduce the current amax over ranks (`set_distributed`)
+        self.sr_rank = 0                    # data parallel: this rank's own stochastic-rounding stream (A, G)
         self.defer = False                  # grad accumulation: keep the max amax of the micro-batches, push once per step
         self._pending: torch.Tensor | None = None
         self.register_buffer("counts", torch.zeros(3, dtype=torch.int64), persistent=False)  # overflow, underflow, non-finite batches
@@ -118,9 +122,13 @@ class TensorQuantizer(nn.Module):
     def _prev(self, like: torch.Tensor):
         return self.scale if self.scale.shape == like.shape else None
 
-    def compute_scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        "`(amax of x, scale to use)`: the scale from the history before `x`'s amax is pushed (delayed), else from `x`."
+    def compute_scale(self, x: torch.Tensor, train: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(amax of x, scale to use)`: the scale from the history before `x`'s amax is pushed (delayed), else from `x`.
+
+        With `sync_amax` (current scaling under data parallelism) a training call first takes the max of the amax over
+        all ranks, so every rank quantizes with the same scale."""
         amax = amax_of(x, self.granularity, self.block_size)
+        if train and self.sync_amax and not self.delayed: amax = all_reduce_max(amax)
         src = self.history.amax if self.delayed and self.history.initialized else amax
         scale, _ = compute_scale(src, self.fmt, margin=self.margin, power_of_two=self.granularity == "block", prev=self._prev(src))
         return amax, scale
@@ -128,7 +136,7 @@ class TensorQuantizer(nn.Module):
     def _generator(self, train: bool) -> torch.Generator | None:
         "The stream of the next stochastic rounding (training steps only; evaluation rounds to nearest)."
         if self.rounding != "stochastic" or not train: return None
-        g = sr_generator(self.sr_seed, self._sr_n)
+        g = sr_generator(self.sr_seed, self._sr_n, *((self.sr_rank,) if self.sr_rank else ()))
         self._sr_n += 1; self.sr_count.fill_(self._sr_n)
         return g
 
@@ -137,7 +145,7 @@ class TensorQuantizer(nn.Module):
 
         `scale` (weights on the grid) quantizes with that scale instead and records no amax: the grid owns it."""
         x = x.detach().float()
-        if scale is None: amax, scale = self.compute_scale(x)
+        if scale is None: amax, scale = self.compute_scale(x, train)
         else: amax = None
         s = expand_scale(scale, x, self.granularity, self.block_size)
         if cap:
@@ -484,9 +492,29 @@ def quant_post_step(model: nn.Module, decay: dict | None = None) -> dict:
     return {}
 
 def commit_amax(model: nn.Module):
-    "End of an optimizer step's micro-batches: push each deferred amax into its history (see `set_accumulation`)."
+    """End of an optimizer step's micro-batches: push each deferred amax into its history (see `set_accumulation`).
+
+    Under data parallelism the pending amaxes of all quantizers are first max-reduced over the ranks in one
+    all-reduce, so every rank pushes the same amax and the delayed scales agree everywhere."""
+    qs = [q for _, m in quantized_layers(model) for q in m.quantizers().values()]
+    if is_distributed():
+        pend = [q for q in qs if q._pending is not None]
+        if pend:
+            flat = all_reduce_max(torch.cat([q._pending.reshape(-1).float() for q in pend]))
+            i = 0
+            for q in pend:
+                n = q._pending.numel(); q._pending = flat[i:i + n].view_as(q._pending); i += n
+    for q in qs: q.commit_history()
+
+def set_distributed(model: nn.Module, rank: int, world_size: int):
+    """Data parallelism over `world_size` ranks: defer amax pushes to `commit_amax` (one max all-reduce per step),
+    max-reduce current per-tensor amaxes of activations and gradients in the quantize path, and give A and G their own
+    stochastic-rounding stream on each rank (W and dW see the same tensor on every rank: their streams stay shared)."""
     for _, m in quantized_layers(model):
-        for q in m.quantizers().values(): q.commit_history()
+        for role, q in m.quantizers().items():
+            if world_size > 1: q.defer = True
+            q.sync_amax = world_size > 1 and role in ("a", "g") and q.granularity == "tensor"
+            q.sr_rank = int(rank) if role in ("a", "g") else 0
 
 def set_accumulation(model: nn.Module, on: bool):
     "With gradient accumulation, amax histories count optimizer steps, not micro-batches: defer pushes to `commit_amax`."
@@ -507,6 +535,13 @@ def quant_metrics(model: nn.Module) -> dict:
         if m._stall is not None: upd.append((name, m, m._stall))
         if m._decay is not None: rows.append(torch.cat([m._decay, m._decay.new_zeros(1)])); meta.append((name, "decay", 0, False))
         if m.clip_k is not None: rows.append(torch.stack([m._clipped, m._clipped, m._clipped])); meta.append((name, "clip", m.qg.total, False))
+    if rows and is_distributed():      # counts and element totals summed over ranks before the rates are formed
+        summed = [i for i, (_, role, *_r) in enumerate(meta) if role != "decay"]   # the decay term is the same everywhere
+        t = torch.stack([torch.cat([rows[i].to(rows[0].device, torch.float64), rows[0].new_tensor([meta[i][2]], dtype=torch.float64)])
+                         for i in summed])
+        all_reduce_sum(t)
+        for j, i in enumerate(summed):
+            rows[i] = t[j, :3]; meta[i] = (meta[i][0], meta[i][1], int(t[j, 3]), meta[i][3])
     vals = torch.stack([r.to(rows[0].device, torch.float64) for r in rows]).tolist() if rows else []
     out, ovf_max = {}, 0.0
     for (name, role, n, nonsat), (a, b, c) in zip(meta, vals):

@@ -636,6 +636,14 @@ def _rel(path, start) -> str | None:
     try: return Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())).as_posix()
     except ValueError: return str(path)
 
+def _ranks_row(run) -> dict:
+    "A `ranks` row for runs trained data-parallel (`summary.json`'s `world_size` > 1; absent: one process, no row)."
+    ws = int(run.summary.get("world_size") or 1)
+    if ws == 1: return {}
+    b, ga = run.config.get("batch_size"), run.config.get("grad_accum", 1)
+    gb = run.summary.get("global_batch") or (b * ga * ws if b else "?")
+    return {"ranks": f"{ws} (data parallel; global batch {gb} sequences = {b} per rank × {ga} accumulation × {ws} ranks)"}
+
 def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setup: dict | None = None,
                  unigram: float | None = None) -> Path:
     """Render `out_dir/report.md` and `out_dir/figures/*.png` for the run in `run_dir` against `ref_dir`.
@@ -655,7 +663,7 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
                  optimizer=cfg.get("optimizer", "adamw"),
                  interventions=cfg.get("interventions"), steps=cfg.get("max_steps"), seed=cfg.get("seed"),
                  model=f"{cfg.get('n_layer')} layers × {cfg.get('n_embd')} wide, block {cfg.get('block_size')}, batch {cfg.get('batch_size')}",
-                 device=run.summary.get("device", "?"), **(extra_setup or {}))
+                 device=run.summary.get("device", "?"), **_ranks_row(run), **(extra_setup or {}))
     if ref is not None and ref.config.get("optimizer", "adamw") != setup["optimizer"]:
         setup["optimizer"] += f" (the reference: {ref.config.get('optimizer', 'adamw')})"
     L += ["## Setup", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in setup.items()] + [""]

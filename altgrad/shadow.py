@@ -125,3 +125,10 @@ def _cosine(self: FP32ShadowModel, model: nn.Module) -> dict[str, float]:
         if q is not None and q.grad is not None and p.grad is not None: pairs[self.names[n]] = (q.grad, p.grad)
     return grad_cosine(pairs)
 FP32ShadowModel.cosine = _cosine
+
+# %% ../nbs/13_shadow.ipynb #d2ac6971
+def _average_grads(self: FP32ShadowModel):
+    "Average the shadow's gradients over data-parallel ranks (no-op in a single process)."
+    from altgrad.distributed import average_
+    average_([p.grad for p in self.params.values() if p.grad is not None])
+FP32ShadowModel.average_grads = _average_grads

@@ -15,7 +15,8 @@ import torch
 __all__ = ['METRICS_JSONL', 'METRICS_COMPACT', 'DEFAULT_COOLDOWNS', 'to_python', 'encode_json', 'decode_json', 'read_metrics',
            'write_metrics_compact', 'compact_info', 'read_metrics_compact', 'metrics_file', 'same_records',
            'compact_metrics', 'read_wandb_records', 'wandb_run_files', 'read_wandb_history', 'read_wandb_alerts',
-           'read_wandb_run_ids', 'wandb_logged_in', 'resolve_wandb_mode', 'Tracker', 'read_alerts', 'find_breaches']
+           'read_wandb_run_ids', 'wandb_logged_in', 'resolve_wandb_mode', 'Tracker', 'read_alerts', 'find_breaches',
+           'NullTracker']
 
 # %% ../nbs/15_tracking.ipynb #e39ad7c7
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -480,3 +481,15 @@ def _check_thresholds(self: Tracker, metrics: dict, step: int, cfg=None, **kwarg
     for b in breaches: b["sent"] = self.alert(b["kind"], b["title"], b["text"], level=b["level"], step=step)
     return breaches
 Tracker.check_thresholds = _check_thresholds
+
+# %% ../nbs/15_tracking.ipynb #0dc9cbcc
+class NullTracker:
+    "A `Tracker` that does nothing (data-parallel ranks other than 0)."
+    run, run_id, mode, resumed = None, None, "disabled", False
+    def log(self, metrics: dict, step: int): pass
+    def alert(self, kind: str, title: str, text: str, level: str = "WARN", step: int | None = None) -> bool: return False
+    def check_thresholds(self, metrics: dict, step: int, cfg=None, **kwargs) -> list[dict]: return []
+    def finish(self, exit_code: int | None = None): pass
+    def __enter__(self): return self
+    def __exit__(self, *exc): return False
+    def __repr__(self): return "NullTracker()"

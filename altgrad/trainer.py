@@ -21,6 +21,10 @@ from .shadow import FP32ShadowModel, rng_snapshot
 from .metrics import gradient_metrics, snapshot_params, zero_update_metrics, nonfinite_sources, DivergenceDetector
 from .diagnostics import DeadNeuronTracker
 from .optim import build_optimizer, default_lr_scale
+from .distributed import (init_distributed, device_for, destroy_distributed, all_reduce_sum, all_true,
+                                 broadcast_object, all_gather_object, barrier)
+from .tracking import NullTracker
+from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
 __all__ = ['lr_at', 'optional_module', 'load_data', 'seed_everything', 'build_model', 'Trainer', 'decay_factors', 'lr_scale_of',
@@ -85,7 +89,10 @@ class Trainer:
     "Train `cfg`'s GPT on its data: every diagnostic every step, the seeds' NaN policy, checkpoints and exact resume."
     def __init__(self, cfg: TrainConfig, tracker: Tracker | None = None, fault: Callable | None = None, progress: bool = True):
         self.cfg, self.tracker, self.fault, self.progress = cfg, tracker, fault, progress
-        self.device = resolve_device(cfg)
+        env = init_distributed(resolve_device(cfg))          # None: one process (no torchrun, or one worker)
+        self.rank, self.world = (env.rank, env.world_size) if env else (0, 1)
+        self.main = self.rank == 0                           # the rank that logs and writes files
+        self.device = device_for(resolve_device(cfg), env)
         self.dev_type = torch.device(self.device).type
         self.amp_dtype = autocast_dtype(cfg, self.device)
         self.run_dir = Path(cfg.out_dir)
@@ -94,8 +101,18 @@ class Trainer:
         itv = optional_module("interventions") if cfg.interventions else None
         if cfg.interventions and itv is None: raise ConfigError("interventions=true needs altgrad.interventions, which this installation lacks")
         self.model = build_model(cfg).to(self.device)
-        self.fwd = torch.compile(self.model) if cfg.compile else self.model
         if self.q is not None: self.q.set_accumulation(self.model, cfg.grad_accum > 1)   # amax histories count optimizer steps
+        self.ddp = None
+        if self.world > 1:
+            if self.q is not None: self.q.set_distributed(self.model, self.rank, self.world)
+            if self.rank: seed_everything(cfg.seed + 7919 * self.rank)   # dropout: each rank its own masks
+            dev = torch.device(self.device)
+            with warnings.catch_warnings():     # newer torch calls it deprecated but still advises it for rank-local buffers
+                warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+                self.ddp = DistributedDataParallel(self.model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                                   broadcast_buffers=False)   # scaling state is reduced, never overwritten
+        net = self.ddp if self.ddp is not None else self.model
+        self.fwd = torch.compile(net) if cfg.compile else net
         self.lr_scale = lr_scale_of(cfg)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.lr * self.lr_scale, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                          self.dev_type, grid_params=grid_params(self.model, cfg, self.q),
@@ -110,12 +127,20 @@ class Trainer:
         self.run_id = self.resumed_from = None
         self.events: list[dict] = []
         ckpt_dir = self.run_dir / "checkpoints"
-        if not cfg.resume: _archive_checkpoints(ckpt_dir, self.run_dir)
-        self.ckpt = CheckpointManager(ckpt_dir, cfg.checkpoint_interval, cfg.keep_last, cfg.keep_best)
+        if not cfg.resume and self.main: _archive_checkpoints(ckpt_dir, self.run_dir)
+        barrier()
+        self.ckpt = CheckpointManager(ckpt_dir, cfg.checkpoint_interval, cfg.keep_last, cfg.keep_best, clean_temp=self.main)
         if cfg.resume: self.resume()
 
     @property
-    def tokens_per_step(self) -> int: return self.cfg.tokens_per_step
+    def tokens_per_step(self) -> int:
+        "Tokens per optimizer step, over all ranks."
+        return self.cfg.tokens_per_step * self.world
+
+    @property
+    def global_batch(self) -> int:
+        "Sequences per optimizer step: `batch_size x grad_accum x` ranks."
+        return self.cfg.batch_size * self.cfg.grad_accum * self.world
 
     def autocast(self):
         "BF16 autocast where `cfg.precision` asks for it, else nothing."
@@ -124,6 +149,7 @@ class Trainer:
 
     def __repr__(self):
         return (f"Trainer(step={self.step}/{self.cfg.max_steps}, device={self.device!r}, autocast={self.amp_dtype}, "
+                + (f"rank={self.rank}/{self.world}, " if self.world > 1 else "") +
                 f"fmt={self.cfg.fmt!r}, shadow={self.shadow is not None}, run_dir='{self.run_dir}')")
 
 def _archive_checkpoints(ckpt_dir: Path, run_dir: Path):
@@ -183,20 +209,23 @@ def _train_step(self: Trainer) -> dict:
     lr = lr_at(step, cfg) * self.lr_scale
     for group in self.optimizer.param_groups: group["lr"] = lr
     if self.shadow is not None: self.shadow.sync(model)
-    loss_sum, t_shadow, self.batches = 0.0, 0.0, []
-    for micro in range(cfg.grad_accum):
-        x, y = self.data.get_batch("train", cfg.block_size, cfg.batch_size, self.device, self.train_gen)
-        self.batches.append((x, y))
+    loss_sum, t_shadow, self.batches = 0.0, 0.0, self.next_batches()
+    for micro, (x, y) in enumerate(self.batches):
         rng = rng_snapshot(self.device) if self.shadow is not None else None
-        with self.autocast(): _, loss = self.fwd(x, y)
-        (loss / cfg.grad_accum).backward()
+        no_sync = self.ddp is not None and micro < cfg.grad_accum - 1      # DDP: all-reduce after the last micro-batch
+        with self.ddp.no_sync() if no_sync else contextlib.nullcontext():
+            with self.autocast(): _, loss = self.fwd(x, y)
+            (loss / cfg.grad_accum).backward()
         loss_sum = loss_sum + loss.detach().float()
         if self.shadow is not None:
             _sync(self.dev_type); ts = time.perf_counter()
             self.shadow.step(x, y, rng_state=rng, loss_scale=1.0 / cfg.grad_accum, zero_grad=micro == 0)
             _sync(self.dev_type); t_shadow += time.perf_counter() - ts
-    loss = loss_sum / cfg.grad_accum
-    if q is not None: q.commit_amax(model)
+    if self.world > 1:
+        loss_sum = all_reduce_sum(loss_sum)                       # the global batch's loss, the same on every rank
+        if self.shadow is not None: self.shadow.average_grads()
+    loss = loss_sum / (cfg.grad_accum * self.world)
+    if q is not None: q.commit_amax(model)                        # (ranks: one max all-reduce of all amaxes)
     if self.fault is not None: self.fault(step, model)
 
     m = gradient_metrics(model.named_parameters(), dead=self.dead)
@@ -205,6 +234,7 @@ def _train_step(self: Trainer) -> dict:
         if q is not None: m.update(quantized_cosine(m, model, q))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     finite = torch.stack([loss.isfinite().all()] + [g.isfinite().all() for g in grads]).all().item()
+    if self.world > 1: finite = all_true(finite, self.device)    # one rank's NaN skips the step everywhere
     loss_v = float(loss)
     if finite:
         before = snapshot_params(model)
@@ -233,7 +263,21 @@ def _train_step(self: Trainer) -> dict:
     if self.shadow is not None: m["perf/shadow_time"] = t_shadow
     return m
 
-Trainer.train_step = _train_step
+def _skip_draw(n_tokens: int, cfg, gen: torch.Generator):
+    "Advance `gen` exactly as `data.get_batch` does for one batch, without reading the data (another rank's slot)."
+    torch.randint(n_tokens - cfg.block_size, (cfg.batch_size,), generator=gen)
+
+def _next_batches(self: Trainer) -> list:
+    """This rank's `grad_accum` micro-batches of the next step: slots `rank*grad_accum ...` of the step's
+    `grad_accum x ranks` draws from the one data stream (one process: all of them, in order)."""
+    cfg, out = self.cfg, []
+    for slot in range(cfg.grad_accum * self.world):
+        if slot // cfg.grad_accum == self.rank:
+            out.append(self.data.get_batch("train", cfg.block_size, cfg.batch_size, self.device, self.train_gen))
+        else: _skip_draw(len(self.data["train"]), cfg, self.train_gen)
+    return out
+
+Trainer.train_step, Trainer.next_batches = _train_step, _next_batches
 
 # %% ../nbs/17_trainer.ipynb #2c01a5e4
 @torch.no_grad()
@@ -244,10 +288,14 @@ def _evaluate(self: Trainer) -> dict:
     self.model.eval()
     try:
         losses = []
-        for _ in range(cfg.eval_iters):
+        for i in range(cfg.eval_iters):
+            if i % self.world != self.rank: _skip_draw(len(self.data["val"]), cfg, gen); continue   # another rank's
             x, y = self.data.get_batch("val", cfg.block_size, cfg.batch_size, self.device, gen)
             with self.autocast(): losses.append(self.fwd(x, y)[1].float())
-        vl = torch.stack(losses).mean().item()
+        if self.world == 1: vl = torch.stack(losses).mean().item()
+        else:       # ranks share the batches out; the sum of their losses, over all of them
+            part = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+            vl = all_reduce_sum(part.reshape(1)).item() / cfg.eval_iters
     finally: self.model.train()
     self.last_val_loss = vl
     return {"val/loss": vl, "val/ppl": math.exp(vl) if not vl > 700 else math.inf}
@@ -263,12 +311,18 @@ def _state_dict(self: Trainer) -> dict:
                                interventions=self.interventions.state_dict() if self.interventions is not None else None),
                 nan=dict(streak=self.nan_streak, first_step=self.first_nan_step,
                          anomaly=str(self.anomaly_path) if self.anomaly_path else None),
-                last_train_loss=self.last_train_loss, last_val_loss=self.last_val_loss)
+                last_train_loss=self.last_train_loss, last_val_loss=self.last_val_loss,
+                **self._rank_states())
+
+def _rank_states(self: Trainer) -> dict:
+    "Data parallel: every rank's RNG states (their dropout streams differ) and the world size; nothing in one process."
+    if self.world == 1: return {}
+    return dict(world_size=self.world, rng_ranks=all_gather_object(capture_rng_state({"train": self.train_gen})))
 
 def _load_state_dict(self: Trainer, st: dict):
     self.model.load_state_dict(st["model"])
     self.optimizer.load_state_dict(st["optimizer"])
-    restore_rng_state(st["rng"], {"train": self.train_gen})
+    restore_rng_state(st["rng_ranks"][self.rank] if self.world > 1 else st["rng"], {"train": self.train_gen})
     self.divergence.load_state_dict(st["detectors"]["divergence"])
     self.dead.load_state_dict(st["detectors"]["dead_neurons"])
     if self.interventions is not None and st["detectors"].get("interventions") is not None:
@@ -279,8 +333,11 @@ def _load_state_dict(self: Trainer, st: dict):
     self.last_train_loss, self.last_val_loss = st.get("last_train_loss"), st.get("last_val_loss")
 
 def _save_checkpoint(self: Trainer, val_loss: float | None = None, tag: str | None = None, extra: dict | None = None) -> Path:
-    "Checkpoint the current state (regular, or `tag`ged e.g. 'anomaly', which is never rotated away)."
-    return self.ckpt.save(self.step, {**self.state_dict(), **(extra or {})}, val_loss=val_loss, tag=tag)
+    "Checkpoint the current state (regular, or `tag`ged e.g. 'anomaly', which is never rotated away); ranks: rank 0 writes."
+    state = {**self.state_dict(), **(extra or {})}
+    if self.world == 1: return self.ckpt.save(self.step, state, val_loss=val_loss, tag=tag)
+    path = self.ckpt.save(self.step, state, val_loss=val_loss, tag=tag) if self.main else None
+    return Path(broadcast_object(str(path) if path else None))     # the others wait until the file is complete
 
 def _resume(self: Trainer) -> Path | None:
     "Load the newest readable checkpoint of `out_dir/checkpoints`; returns its path (None: nothing to resume)."
@@ -288,6 +345,9 @@ def _resume(self: Trainer) -> Path | None:
     if st is None:
         warnings.warn(f"resume=true but {self.ckpt.dir} holds no readable checkpoint; starting from step 0"); return None
     saved, now = st["config"], self.cfg.to_dict()
+    if st.get("world_size", 1) != self.world:
+        raise ConfigError(f"cannot resume from {path}: it was written by a run on {st.get('world_size', 1)} rank(s), this one has "
+                          f"{self.world}; resume with the same number of processes (the global batch and data order depend on it)")
     fixed = [k for k in _RESUME_FIXED if saved.get(k) != now[k]]
     if fixed:
         raise ConfigError(f"cannot resume from {path}: " + ", ".join(f"{k}={saved.get(k)!r} there, {now[k]!r} now" for k in fixed)
@@ -299,6 +359,7 @@ def _resume(self: Trainer) -> Path | None:
     return path
 
 Trainer.state_dict, Trainer.load_state_dict, Trainer.save_checkpoint, Trainer.resume = _state_dict, _load_state_dict, _save_checkpoint, _resume
+Trainer._rank_states = _rank_states
 
 # %% ../nbs/17_trainer.ipynb #cdaa5b17
 def _on_nonfinite(self: Trainer) -> str | None:
@@ -323,7 +384,7 @@ def _on_nonfinite(self: Trainer) -> str | None:
 
 def _save_histograms(self: Trainer, step: int):
     "Add the 8-bit layers' 256-code histograms at `step` to `histograms.json` (no-op without quantized layers)."
-    if self.q is None or not hasattr(self.q, "quant_histograms"): return
+    if self.q is None or not hasattr(self.q, "quant_histograms") or not self.main: return
     h = self.q.quant_histograms(self.model)
     if not h: return
     p = self.run_dir / "histograms.json"
@@ -338,16 +399,17 @@ def _fit(self: Trainer, until: int | None = None) -> dict:
     "Train to `cfg.max_steps` (or stop per the NaN policy / after step `until`); returns and writes `summary.json`."
     cfg = self.cfg
     self.run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, self.run_dir / "config.yaml")
+    if self.main: save_config(cfg, self.run_dir / "config.yaml")
     own = self.tracker is None
-    if own:
+    if own and not self.main: self.tracker = NullTracker()      # only rank 0 logs
+    elif own:
         self.tracker = Tracker(self.run_dir, config=cfg.to_dict(), project=cfg.wandb_project, name=cfg.wandb_run_name,
                                tags=cfg.wandb_tags, mode=cfg.wandb_mode, run_id=self.run_id)
     self.run_id = self.tracker.run_id
     hist_steps = {1, max(1, cfg.max_steps // 2), cfg.max_steps}
     t_start, start_step, perf = time.perf_counter(), self.step, []
     reason, exit_code = None, None
-    bar = tqdm(total=cfg.max_steps, initial=self.step, unit="step", disable=not self.progress,
+    bar = tqdm(total=cfg.max_steps, initial=self.step, unit="step", disable=not (self.progress and self.main),
                desc=f"{self.run_dir.name} ({cfg.fmt or 'fp32/bf16'})", dynamic_ncols=True, file=sys.stderr)
     try:
         while self.step < cfg.max_steps and reason is None:
@@ -384,11 +446,12 @@ def _fit(self: Trainer, until: int | None = None) -> dict:
             tokens_per_sec=self.tokens_per_step / statistics.median(st) if st else None,
             shadow_time=statistics.median(p[1] for p in perf) if perf and self.shadow is not None else None,
             device=self.device, autocast=str(self.amp_dtype).replace("torch.", "") if self.amp_dtype else None,
+            world_size=self.world, global_batch=self.global_batch,
             fmt=cfg.fmt, num_params=self.model.num_params() if hasattr(self.model, "num_params") else None,
             **layer_census(self.model, self.q),
             run_dir=str(self.run_dir), run_id=self.run_id,
             resumed_from=str(self.resumed_from) if self.resumed_from else None)
-        atomic_write_text(json.dumps(to_python(summary), indent=1, default=str), self.run_dir / "summary.json")
+        if self.main: atomic_write_text(json.dumps(to_python(summary), indent=1, default=str), self.run_dir / "summary.json")
         if own: self.tracker.finish(exit_code=exit_code); self.tracker = None
     return summary
 
@@ -408,10 +471,20 @@ def train_cli(argv: list[str] | None = None) -> int:
         cfg = load_config(a.config, **parse_overrides(a.overrides))
         trainer = Trainer(cfg, progress=not a.no_progress)
     except (ConfigError, FileNotFoundError) as e:
-        print(f"altgrad-train: error: {e}", file=sys.stderr); return 2
-    s = trainer.fit()
-    print(json.dumps(s, indent=1, default=str))
+        print(f"altgrad-train: error: {e}", file=sys.stderr); destroy_distributed(); return 2
+    try: s = trainer.fit()
+    except Exception as e:
+        if trainer.world == 1: raise
+        # one line that says which rank failed and why; torchrun's agent then stops the other ranks
+        print(f"altgrad-train: error on rank {trainer.rank} of {trainer.world}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally: destroy_distributed()
+    if trainer.main: print(json.dumps(s, indent=1, default=str))
     return 0
+
+# %% ../nbs/17_trainer.ipynb #00298919
+#| eval: false
+if __name__ == "__main__": sys.exit(train_cli())
 
 # %% ../nbs/17_trainer.ipynb #78957198
 def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, data_dir: str | None = None,

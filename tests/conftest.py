@@ -9,3 +9,7 @@ def small_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("data") / "eurlex"
     prepare_eurlex(d, source=shared_data_dir() / "eurlex", max_docs=300, progress=False)
     return d
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA devices (skipped without them)")
