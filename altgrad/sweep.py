@@ -617,7 +617,7 @@ def sweep_cli(argv: list[str] | None = None) -> int:
             if a.master_weights != "format": raise ConfigError("--update-rules needs --master-weights format (the rules decide how updates land on the grid)")
             per_rule = update_rule_overrides(a.update_rules, overrides)
         else: per_rule = {None: overrides}
-        for ov in per_rule.values(): load_config(resolve_preset(a.preset), **ov)
+        for ov in per_rule.values(): load_config(resolve_preset(a.preset), master_weights=a.master_weights, **ov)
     except (ValueError, ConfigError) as e:
         print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
     for rule, ov in per_rule.items():
