@@ -107,7 +107,7 @@ def test_two_ranks_match_one_process_with_grad_accum(two_ranks, one_process):
     assert json.loads((one_process / "summary.json").read_text())["global_batch"] == 4
     # every scale, amax history and weight is the same on both ranks (bit for bit)
     scales = [k for k in s0 if k.endswith((".scale", ".history", ".grid_scale"))]
-    assert len([k for k in scales if k.endswith(".scale") and s0[k].numel()]) == 8 * 3      # W, A, G of 8 layers
+    assert len([k for k in scales if k.endswith(".scale") and s0[k].numel()]) == 8 * 4      # W, A, G, dW of 8 layers
     assert set(s0) == set(s1)
     assert [k for k in s0 if not torch.equal(s0[k], s1[k])] == []
     # only rank 0 wrote the run folder's files (one metrics line per logged step)
