@@ -31,8 +31,8 @@ class TrainConfig:
     dropout: float = 0.0
     bias: bool = True
     # --- optimisation (AdamW, warmup + cosine decay) ---
-    batch_size: int = 12
-    grad_accum: int = 1
+    batch_size: int = 12           # sequences per micro-batch, per rank (under torchrun each rank draws its own)
+    grad_accum: int = 1            # micro-batches per optimizer step; global batch = batch_size x grad_accum x ranks
     max_steps: int = 2000
     lr: float = 6e-4
     min_lr: float = 6e-5
@@ -105,7 +105,9 @@ class TrainConfig:
         return self.max_steps if self.lr_decay_steps is None else self.lr_decay_steps
 
     @property
-    def tokens_per_step(self) -> int: return self.batch_size * self.grad_accum * self.block_size
+    def tokens_per_step(self) -> int:
+        "Tokens per optimizer step of one process (one rank); a `torchrun` job of N ranks trains N times as many (`Trainer.tokens_per_step`)."
+        return self.batch_size * self.grad_accum * self.block_size
 
     def to_dict(self) -> dict:
         "Plain (YAML/JSON-serialisable) dict of every field."

@@ -4,15 +4,16 @@
 
 # %% ../nbs/05_distributed.ipynb #7c4664ba
 from __future__ import annotations
-import atexit, datetime, os
+import atexit, contextlib, datetime, os, signal, threading
 from dataclasses import dataclass
+from .config import ConfigError
 import torch
 import torch.distributed as dist
 
 # %% auto #0
 __all__ = ['DEFAULT_TIMEOUT', 'DistEnv', 'dist_env', 'dist_timeout', 'DistributedError', 'is_distributed', 'rank', 'world_size',
            'is_main', 'device_for', 'init_distributed', 'destroy_distributed', 'all_reduce_max', 'all_reduce_sum',
-           'all_true', 'average_', 'broadcast_object', 'all_gather_object', 'barrier']
+           'all_true', 'average_', 'broadcast_object', 'all_gather_object', 'barrier', 'sigterm_as_exit']
 
 # %% ../nbs/05_distributed.ipynb #efea4f72
 @dataclass(frozen=True)
@@ -75,10 +76,13 @@ def is_main() -> bool:
     return rank() == 0
 
 def device_for(device: str, env: DistEnv | None = None) -> str:
-    "This rank's device: 'cuda' becomes 'cuda:LOCAL_RANK' under torchrun; anything else is returned unchanged."
+    "This rank's device: 'cuda' becomes 'cuda:LOCAL_RANK' under torchrun ('cuda:N' is refused there); else unchanged."
     env = dist_env() if env is None else env
-    if env is None or device != "cuda": return device
-    return f"cuda:{env.local_rank}"
+    if env is None: return device
+    if device.startswith("cuda:"):
+        raise ConfigError(f"device={device!r} would put all {env.world_size} ranks on one GPU; under torchrun use "
+                          f"device=cuda or device=auto (rank r then uses cuda:LOCAL_RANK; pick GPUs with CUDA_VISIBLE_DEVICES)")
+    return f"cuda:{env.local_rank}" if device == "cuda" else device
 
 def init_distributed(device: str = "cpu", timeout: float | None = None) -> DistEnv | None:
     "Open the process group `torchrun` describes (`nccl` on CUDA, else `gloo`); None, and nothing opened, for one process."
@@ -156,3 +160,15 @@ def all_gather_object(obj) -> list:
 def barrier():
     "Wait for every rank (no-op in a single process)."
     if is_distributed(): _collective("barrier", dist.barrier)
+
+# %% ../nbs/05_distributed.ipynb #09038370
+@contextlib.contextmanager
+def sigterm_as_exit(active: bool = True):
+    "While active: SIGTERM raises `SystemExit` (so `finally` blocks run); the previous handler is restored afterwards."
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield; return
+    def _exit(signum, frame):
+        raise SystemExit(f"rank {rank()} of {world_size()} got SIGTERM (torchrun stops every rank when one fails)")
+    old = signal.signal(signal.SIGTERM, _exit)
+    try: yield
+    finally: signal.signal(signal.SIGTERM, old)

@@ -20,8 +20,8 @@ from .grid import (WEIGHT_UPDATES, RESIDUAL_DTYPES, land, regrid_scale, store_re
 # %% auto #0
 __all__ = ['SCALINGS', 'MASTER_WEIGHTS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer',
            'QuantizedLinear', 'LayerPrecisionRule', 'quantize_model', 'quantize_model_from_config', 'quantized_layers',
-           'quant_pre_step', 'quant_post_step', 'commit_amax', 'set_distributed', 'set_accumulation', 'quant_metrics',
-           'quant_histograms']
+           'quant_pre_step', 'quant_post_step', 'commit_amax', 'set_distributed', 'set_accumulation', 'pending_amax',
+           'load_pending_amax', 'quant_metrics', 'quant_histograms']
 
 # %% ../nbs/20_quantized.ipynb #5b149faf
 SCALINGS = ("delayed", "current")
@@ -520,6 +520,23 @@ def set_accumulation(model: nn.Module, on: bool):
     "With gradient accumulation, amax histories count optimizer steps, not micro-batches: defer pushes to `commit_amax`."
     for _, m in quantized_layers(model):
         for q in m.quantizers().values(): q.defer = bool(on)
+
+def pending_amax(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The amaxes recorded but not yet pushed (`defer` mode), `{'<layer>.<role>': tensor}` (CPU copies; {} if none).
+
+    The dW quantizer (`quantize_grads`) runs in `quant_pre_step`, after the step's `commit_amax`: its amax waits for the
+    next step's commit. A checkpoint taken between the two must carry it (see `load_pending_amax`) for exact resume."""
+    return {f"{n}.{role}": q._pending.detach().cpu().clone()
+            for n, m in quantized_layers(model) for role, q in m.quantizers().items() if q._pending is not None}
+
+def load_pending_amax(model: nn.Module, pending: dict | None):
+    "Restore what `pending_amax` returned (None or {}: nothing pending, as in checkpoints of older versions)."
+    pending = dict(pending or {})
+    for n, m in quantized_layers(model):
+        for role, q in m.quantizers().items():
+            v = pending.pop(f"{n}.{role}", None)
+            q._pending = None if v is None else v.detach().to(q.scale.device).clone()
+    if pending: raise KeyError(f"pending amaxes of quantizers this model does not have: {sorted(pending)}")
 
 _UPDATE_KEYS = ("stall", "pred_stall", "update_ratio", "rho", "lost_update", "flip_back", "zero_frac", "residual_ulp")
 

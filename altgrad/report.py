@@ -637,12 +637,16 @@ def _rel(path, start) -> str | None:
     except ValueError: return str(path)
 
 def _ranks_row(run) -> dict:
-    "A `ranks` row for runs trained data-parallel (`summary.json`'s `world_size` > 1; absent: one process, no row)."
+    """The global batch (sequences per optimizer step = `batch_size` per rank × `grad_accum` × ranks) where it differs
+    from `batch_size`: a `ranks` row for runs trained data-parallel (`summary.json`'s `world_size` > 1), a `global batch`
+    row for one process with gradient accumulation; no row for one process without (the `model` row's batch is then the
+    global batch, and write-ups of such runs render as they always did)."""
     ws = int(run.summary.get("world_size") or 1)
-    if ws == 1: return {}
-    b, ga = run.config.get("batch_size"), run.config.get("grad_accum", 1)
+    b, ga = run.config.get("batch_size"), int(run.config.get("grad_accum") or 1)
     gb = run.summary.get("global_batch") or (b * ga * ws if b else "?")
-    return {"ranks": f"{ws} (data parallel; global batch {gb} sequences = {b} per rank × {ga} accumulation × {ws} ranks)"}
+    if ws > 1: return {"ranks": f"{ws} (data parallel; global batch {gb} sequences = {b} per rank × {ga} accumulation × {ws} ranks)"}
+    if ga > 1: return {"global batch": f"{gb} sequences = {b} per micro-batch × {ga} accumulation (one process)"}
+    return {}
 
 def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setup: dict | None = None,
                  unigram: float | None = None) -> Path:

@@ -895,6 +895,7 @@ def _model_inputs(plan: StudyPlan) -> dict:
                           n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias))
     n = sum(p.numel() for p in m.parameters())
     keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "lr", "min_lr", "warmup_steps", "eval_interval", "eval_iters")
+    # the study runs every run in one process (never under torchrun), so one process's tokens per step is the whole step
     return dict(model={k: getattr(cfg, k) for k in keys}, num_params=n, tokens=plan.steps * cfg.tokens_per_step)
 
 def report_study(out, log=print, runs: dict | None = None) -> Path:

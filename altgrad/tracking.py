@@ -484,7 +484,7 @@ Tracker.check_thresholds = _check_thresholds
 
 # %% ../nbs/15_tracking.ipynb #0dc9cbcc
 class NullTracker:
-    "A `Tracker` that does nothing (data-parallel ranks other than 0)."
+    "A `Tracker` that does nothing (data-parallel ranks other than 0; rank 0 logs, its `perf/*` and `nan/source` are its own)."
     run, run_id, mode, resumed = None, None, "disabled", False
     def log(self, metrics: dict, step: int): pass
     def alert(self, kind: str, title: str, text: str, level: str = "WARN", step: int | None = None) -> bool: return False

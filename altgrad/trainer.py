@@ -4,7 +4,7 @@
 
 # %% ../nbs/17_trainer.ipynb #4326d032
 from __future__ import annotations
-import argparse, contextlib, importlib, json, math, os, random, statistics, sys, tempfile, time, warnings
+import argparse, contextlib, importlib, json, math, os, random, statistics, sys, tempfile, time, traceback, warnings
 from pathlib import Path
 from typing import Callable
 import numpy as np
@@ -22,13 +22,14 @@ from .metrics import gradient_metrics, snapshot_params, zero_update_metrics, non
 from .diagnostics import DeadNeuronTracker
 from .optim import build_optimizer, default_lr_scale
 from .distributed import (init_distributed, device_for, destroy_distributed, all_reduce_sum, all_true,
-                                 broadcast_object, all_gather_object, barrier)
+                                 broadcast_object, all_gather_object, barrier, sigterm_as_exit)
+from .checkpoint import CorruptCheckpoint
 from .tracking import NullTracker
 from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
 __all__ = ['lr_at', 'optional_module', 'load_data', 'seed_everything', 'build_model', 'Trainer', 'decay_factors', 'lr_scale_of',
-           'grid_params', 'quantized_cosine', 'layer_census', 'train_cli', 'bench_train']
+           'grid_params', 'quantized_cosine', 'layer_census', 'check_ranks_agree', 'train_cli', 'bench_train']
 
 # %% ../nbs/17_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -89,10 +90,10 @@ class Trainer:
     "Train `cfg`'s GPT on its data: every diagnostic every step, the seeds' NaN policy, checkpoints and exact resume."
     def __init__(self, cfg: TrainConfig, tracker: Tracker | None = None, fault: Callable | None = None, progress: bool = True):
         self.cfg, self.tracker, self.fault, self.progress = cfg, tracker, fault, progress
-        env = init_distributed(resolve_device(cfg))          # None: one process (no torchrun, or one worker)
+        self.device = device_for(resolve_device(cfg))        # torchrun: cuda -> cuda:LOCAL_RANK (cuda:N is refused)
+        env = init_distributed(self.device)                  # None: one process (no torchrun, or one worker)
         self.rank, self.world = (env.rank, env.world_size) if env else (0, 1)
         self.main = self.rank == 0                           # the rank that logs and writes files
-        self.device = device_for(resolve_device(cfg), env)
         self.dev_type = torch.device(self.device).type
         self.amp_dtype = autocast_dtype(cfg, self.device)
         self.run_dir = Path(cfg.out_dir)
@@ -312,12 +313,18 @@ def _state_dict(self: Trainer) -> dict:
                 nan=dict(streak=self.nan_streak, first_step=self.first_nan_step,
                          anomaly=str(self.anomaly_path) if self.anomaly_path else None),
                 last_train_loss=self.last_train_loss, last_val_loss=self.last_val_loss,
-                **self._rank_states())
+                **self._pending_state(), **self._rank_states())
+
+def _pending_state(self: Trainer) -> dict:
+    "8-bit models: the amaxes recorded but not yet pushed into their histories (`quantized.pending_amax`)."
+    if self.q is None or not hasattr(self.q, "pending_amax"): return {}
+    return dict(pending_amax=self.q.pending_amax(self.model))
 
 def _rank_states(self: Trainer) -> dict:
-    "Data parallel: every rank's RNG states (their dropout streams differ) and the world size; nothing in one process."
+    "Data parallel: every rank's RNG states (their dropout streams differ), pending amaxes and the world size; nothing in one process."
     if self.world == 1: return {}
-    return dict(world_size=self.world, rng_ranks=all_gather_object(capture_rng_state({"train": self.train_gen})))
+    gathered = all_gather_object((capture_rng_state({"train": self.train_gen}), self._pending_state().get("pending_amax")))
+    return dict(world_size=self.world, rng_ranks=[g[0] for g in gathered], pending_amax_ranks=[g[1] for g in gathered])
 
 def _load_state_dict(self: Trainer, st: dict):
     self.model.load_state_dict(st["model"])
@@ -331,6 +338,9 @@ def _load_state_dict(self: Trainer, st: dict):
     self.nan_streak, self.first_nan_step = st["nan"]["streak"], st["nan"]["first_step"]
     self.anomaly_path = Path(st["nan"]["anomaly"]) if st["nan"].get("anomaly") else None
     self.last_train_loss, self.last_val_loss = st.get("last_train_loss"), st.get("last_val_loss")
+    if self.q is not None and hasattr(self.q, "load_pending_amax"):     # (absent in older checkpoints: nothing pending)
+        ranks = st.get("pending_amax_ranks") if self.world > 1 else None
+        self.q.load_pending_amax(self.model, ranks[self.rank] if ranks is not None else st.get("pending_amax"))
 
 def _save_checkpoint(self: Trainer, val_loss: float | None = None, tag: str | None = None, extra: dict | None = None) -> Path:
     "Checkpoint the current state (regular, or `tag`ged e.g. 'anomaly', which is never rotated away); ranks: rank 0 writes."
@@ -339,9 +349,35 @@ def _save_checkpoint(self: Trainer, val_loss: float | None = None, tag: str | No
     path = self.ckpt.save(self.step, state, val_loss=val_loss, tag=tag) if self.main else None
     return Path(broadcast_object(str(path) if path else None))     # the others wait until the file is complete
 
+def check_ranks_agree(path, reports: list) -> int:
+    """`reports[r]` = (error or None, step) of rank `r` after loading the checkpoint `path` that rank 0 chose: the common
+    step, else a `ConfigError` naming the ranks that could not read it or the ranks' different steps."""
+    bad = [(r, err) for r, (err, _) in enumerate(reports) if err is not None]
+    if bad:
+        raise ConfigError(f"cannot resume from {path} (chosen by rank 0): " + "; ".join(f"rank {r} cannot read it ({e})" for r, e in bad)
+                          + "; out_dir must be on a filesystem that every rank (every node) sees")
+    steps = [s for _, s in reports]
+    if len(set(steps)) > 1:
+        raise ConfigError(f"ranks disagree after loading {path}: " + ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps)))
+    return steps[0]
+
+def _load_for_resume(self: Trainer):
+    "(state, path) of the newest readable checkpoint; ranks: rank 0 chooses it, every rank loads exactly that file."
+    if self.world == 1: return self.ckpt.load_latest(map_location=self.device)
+    st, path = self.ckpt.load_latest(map_location=self.device) if self.main else (None, None)
+    path = broadcast_object(str(path) if path is not None else None)
+    if path is None: return None, None                                 # no rank resumes
+    err = None
+    if not self.main:
+        try: st = self.ckpt.load(path, map_location=self.device)
+        except (CorruptCheckpoint, OSError) as e: err = f"{type(e).__name__}: {e}"
+    check_ranks_agree(path, all_gather_object((err, int(st["step"]) if st is not None else None)))
+    return st, Path(path)
+
 def _resume(self: Trainer) -> Path | None:
-    "Load the newest readable checkpoint of `out_dir/checkpoints`; returns its path (None: nothing to resume)."
-    st, path = self.ckpt.load_latest(map_location=self.device)
+    """Load the newest readable checkpoint of `out_dir/checkpoints`; returns its path (None: nothing to resume).
+    Under `torchrun` rank 0 chooses the file and every rank loads that one (`check_ranks_agree`)."""
+    st, path = self._load_for_resume()
     if st is None:
         warnings.warn(f"resume=true but {self.ckpt.dir} holds no readable checkpoint; starting from step 0"); return None
     saved, now = st["config"], self.cfg.to_dict()
@@ -359,7 +395,7 @@ def _resume(self: Trainer) -> Path | None:
     return path
 
 Trainer.state_dict, Trainer.load_state_dict, Trainer.save_checkpoint, Trainer.resume = _state_dict, _load_state_dict, _save_checkpoint, _resume
-Trainer._rank_states = _rank_states
+Trainer._rank_states, Trainer._pending_state, Trainer._load_for_resume = _rank_states, _pending_state, _load_for_resume
 
 # %% ../nbs/17_trainer.ipynb #cdaa5b17
 def _on_nonfinite(self: Trainer) -> str | None:
@@ -370,8 +406,9 @@ def _on_nonfinite(self: Trainer) -> str | None:
     note = ""
     if self.first_nan_step is None:
         self.first_nan_step = step
-        self.anomaly_path = self.save_checkpoint(tag="anomaly", extra={"anomaly": dict(
-            step=step, sources=src, batches=[(x.cpu(), y.cpu()) for x, y in self.batches])})
+        batches = [(x.cpu(), y.cpu()) for x, y in self.batches]
+        if self.world > 1: batches = [b for part in all_gather_object(batches) for b in part]   # every rank's, in slot order
+        self.anomaly_path = self.save_checkpoint(tag="anomaly", extra={"anomaly": dict(step=step, sources=src, batches=batches)})
         note = f"; state and batch saved to {self.anomaly_path.name}"
     self.tracker.alert("nan", "Non-finite " + ("loss" if src["loss"] else "gradients"),
                        f"non-finite values in {where or 'unknown'}; optimizer step skipped "
@@ -431,7 +468,8 @@ def _fit(self: Trainer, until: int | None = None) -> dict:
             if reason is None and until is not None and step >= until: reason = "until"
         reason = reason or "max_steps"
     except BaseException as e:
-        reason, exit_code = ("interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {type(e).__name__}: {e}"), 1
+        reason, exit_code = ("interrupted" if isinstance(e, KeyboardInterrupt) else f"terminated: {e}" if isinstance(e, SystemExit)
+                             else f"error: {type(e).__name__}: {e}"), 1
         raise
     finally:
         bar.close()
@@ -472,10 +510,12 @@ def train_cli(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg, progress=not a.no_progress)
     except (ConfigError, FileNotFoundError) as e:
         print(f"altgrad-train: error: {e}", file=sys.stderr); destroy_distributed(); return 2
-    try: s = trainer.fit()
+    try:
+        with sigterm_as_exit(trainer.world > 1): s = trainer.fit()     # torchrun's SIGTERM: fit's cleanup still runs
     except Exception as e:
         if trainer.world == 1: raise
-        # one line that says which rank failed and why; torchrun's agent then stops the other ranks
+        # the traceback and one line that say which rank failed and why; torchrun's agent then stops the other ranks
+        traceback.print_exc()
         print(f"altgrad-train: error on rank {trainer.rank} of {trainer.world}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     finally: destroy_distributed()
