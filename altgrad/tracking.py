@@ -14,9 +14,9 @@ import torch
 # %% auto #0
 __all__ = ['METRICS_JSONL', 'METRICS_COMPACT', 'DEFAULT_COOLDOWNS', 'to_python', 'encode_json', 'decode_json', 'read_metrics',
            'write_metrics_compact', 'compact_info', 'read_metrics_compact', 'metrics_file', 'same_records',
-           'compact_metrics', 'read_wandb_records', 'wandb_run_files', 'read_wandb_history', 'read_wandb_alerts',
-           'read_wandb_run_ids', 'wandb_logged_in', 'resolve_wandb_mode', 'Tracker', 'read_alerts', 'find_breaches',
-           'NullTracker']
+           'compact_metrics', 'read_wandb_records', 'wandb_log_complete', 'wait_for_wandb_log', 'wandb_run_files',
+           'read_wandb_history', 'read_wandb_alerts', 'read_wandb_run_ids', 'wandb_logged_in', 'resolve_wandb_mode',
+           'Tracker', 'read_alerts', 'find_breaches', 'NullTracker']
 
 # %% ../nbs/15_tracking.ipynb #e39ad7c7
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -180,32 +180,60 @@ def compact_metrics(run_dir: str | os.PathLike, remove_jsonl: bool = False, chec
 # %% ../nbs/15_tracking.ipynb #ba45286f
 _WB_BLOCK, _WB_HEADER = 32768, 7
 
-def read_wandb_records(path: str | os.PathLike) -> Iterator:
-    "Yield the protobuf `Record`s of one W&B transaction log (`run-*.wandb`); stops with a warning at a torn tail."
+def read_wandb_records(path: str | os.PathLike, tail_blocks: int | None = None) -> Iterator:
+    """Yield the protobuf `Record`s of one W&B transaction log (`run-*.wandb`); stops with a warning at a torn tail.
+
+    `tail_blocks`: read only the last that many 32 KiB blocks (records cut by the start are skipped): a cheap look at
+    the end of a long log."""
     from wandb.proto import wandb_internal_pb2 as pb
-    data = Path(path).read_bytes()
-    ident, magic, version = struct.unpack("<4sHB", data[:_WB_HEADER]) if len(data) >= _WB_HEADER else (b"", 0, 0)
-    if ident != b":W&B" or magic != 0xBEE1: raise ValueError(f"{path} is not a W&B run file (bad header {data[:7]!r})")
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(_WB_HEADER)
+        size = f.seek(0, os.SEEK_END)
+        start = _WB_HEADER if tail_blocks is None else max(_WB_HEADER, (size // _WB_BLOCK - tail_blocks + 1) * _WB_BLOCK)
+        f.seek(0); data = f.read() if start == _WB_HEADER else (f.seek(start), f.read())[1]
+    off = 0 if start == _WB_HEADER else start           # file offset of data[0]
+    ident, magic, version = struct.unpack("<4sHB", head) if len(head) >= _WB_HEADER else (b"", 0, 0)
+    if ident != b":W&B" or magic != 0xBEE1: raise ValueError(f"{path} is not a W&B run file (bad header {head!r})")
     if version != 0: raise ValueError(f"{path}: unsupported W&B log version {version}")
-    i, frag = _WB_HEADER, None
+    i, frag, partial = start - off, None, start != _WB_HEADER
     while i < len(data):
-        left = _WB_BLOCK - i % _WB_BLOCK
+        left = _WB_BLOCK - (i + off) % _WB_BLOCK
         if left < _WB_HEADER: i += left; continue  # block trailer padding
         if i + _WB_HEADER > len(data): break
         crc, n, kind = struct.unpack("<IHB", data[i:i + _WB_HEADER])
         if crc == 0 and n == 0 and kind == 0: i += left; continue  # zero padding
         chunk = data[i + _WB_HEADER:i + _WB_HEADER + n]
-        if len(chunk) < n: warnings.warn(f"{path}: truncated record at byte {i} (run still open or killed?)"); return
+        if len(chunk) < n: warnings.warn(f"{path}: truncated record at byte {i + off} (run still open or killed?)"); return
         if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
-            warnings.warn(f"{path}: checksum mismatch at byte {i}; stopping"); return
+            warnings.warn(f"{path}: checksum mismatch at byte {i + off}; stopping"); return
         i += _WB_HEADER + n
+        if partial and kind in (3, 4): continue   # the rest of a record that began before the tail
+        partial = False
         if kind == 1: whole = chunk               # FULL
         elif kind == 2: frag = chunk; continue    # FIRST
         elif kind == 3: frag = (frag or b"") + chunk; continue  # MIDDLE
         elif kind == 4: whole, frag = (frag or b"") + chunk, None  # LAST
-        else: raise ValueError(f"{path}: unknown record type {kind} at byte {i}")
+        else: raise ValueError(f"{path}: unknown record type {kind} at byte {i + off}")
         rec = pb.Record(); rec.ParseFromString(whole)
         yield rec
+
+def wandb_log_complete(path: str | os.PathLike) -> bool:
+    "True when the W&B transaction log `path` ends with its run's `exit` record (its last block is read, not the whole log)."
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return any(r.WhichOneof("record_type") == "exit" for r in read_wandb_records(path, tail_blocks=2))
+    except (OSError, ValueError): return False
+
+def wait_for_wandb_log(path: str | os.PathLike, timeout: float = 60.0, poll: float = 0.1) -> bool:
+    """Wait until `wandb_log_complete(path)`: `wandb.finish()` can return before wandb-core has written the log
+    (seen offline on a loaded machine: a 7-byte file for a moment), and a reader right after would see no records."""
+    t0 = time.monotonic()
+    while not wandb_log_complete(path):
+        if time.monotonic() - t0 > timeout: return False
+        time.sleep(poll)
+    return True
 
 def wandb_run_files(path: str | os.PathLike) -> list[Path]:
     "The `run-*.wandb` files under `path` (a file, a W&B run folder or a run_dir), oldest run first."
@@ -395,7 +423,11 @@ def _finish(self: Tracker, exit_code: int | None = None):
         try: compact_metrics(self.run_dir)
         except Exception as e: warnings.warn(f"could not write {METRICS_COMPACT} ({type(e).__name__}: {e}); {METRICS_JSONL} is complete")
     if self.run is not None:
-        try: self.run.finish(exit_code=exit_code)
+        try:
+            log = Path(self.run.dir).parent / f"run-{self.run.id}.wandb"
+            self.run.finish(exit_code=exit_code)
+            if log.exists() and not wait_for_wandb_log(log):
+                warnings.warn(f"{log} has no exit record 60 s after wandb.finish(): the W&B log may be incomplete")
         except Exception as e: warnings.warn(f"wandb finish failed: {type(e).__name__}: {e}")
 
 Tracker.finish = _finish
