@@ -99,13 +99,16 @@ class Madam(torch.optim.Optimizer):
     """Madam (Bernstein et al. 2020): w ← clamp(w·2^(-lr·(ĝ·sign(w) + wd)), ±p_scale·RMS(w_init)), ĝ = g/sqrt(v̂) clipped.
 
     `integer_exponent=True` (per group) rounds the exponent change to an integer (`exp_rounding` 'nearest' or
-    'stochastic', keyed by `seed`, step and parameter index; rate `exp_lr_scale·lr`), so power-of-two grids stay exact."""
+    'stochastic', keyed by `seed`, step and parameter index; rate `exp_lr_scale·lr`), so power-of-two grids stay exact.
+    For those parameters `intended[p]` holds, after each step, the update continuous Madam would have made (the exponent
+    change before rounding): what the grid's mechanism metrics measure the realised update against."""
     def __init__(self, params, lr: float = 0.01, beta: float = 0.999, weight_decay: float = 0.0, p_scale: float = 3.0,
                  g_bound: float = 10.0, integer_exponent: bool = False, exp_rounding: str = "nearest",
                  exp_lr_scale: float = 1.0, seed: int = 0):
         super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay, p_scale=p_scale, g_bound=g_bound,
                                       integer_exponent=integer_exponent, exp_rounding=exp_rounding,
                                       exp_lr_scale=exp_lr_scale, seed=seed))
+        self.intended: dict = {}            # {integer-exponent param: this step's update before exponent rounding}
 
     def add_param_group(self, param_group: dict):
         super().add_param_group(param_group)
@@ -146,7 +149,9 @@ class Madam(torch.optim.Optimizer):
                 if not group["integer_exponent"]:
                     p.mul_(d.mul_(-lr).exp2_()).clamp_(-mx, mx)
                     continue
-                d = round_exponent(d.mul_(-lr * group["exp_lr_scale"]), group["exp_rounding"],
+                dc = d.mul_(-lr * group["exp_lr_scale"])                 # the exponent change before rounding
+                self.intended[p] = (p * torch.exp2(dc)).clamp_(-mx, mx).sub_(p)
+                d = round_exponent(dc, group["exp_rounding"],
                                    sr_seed(group["seed"], t, index) if group["exp_rounding"] == "stochastic" else None)
                 a = p.abs()
                 d = torch.where(a > 0, torch.minimum(d, max_whole_shift(a, mx)), torch.zeros_like(d))

@@ -441,7 +441,7 @@ def quant_pre_step(model: nn.Module, snapshot: dict[str, torch.Tensor] | None = 
         m._snapshot = before if before is not None and before.shape == w.shape else w.detach().clone()
 
 @torch.no_grad()
-def quant_post_step(model: nn.Module, decay: dict | None = None) -> dict:
+def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict | None = None) -> dict:
     """After `optimizer.step()`: land the weights on the grid (`master_weights='format'`) and measure the update.
 
     The optimizer proposed `u = w - w_before` (FP32). With weights on the grid, the new scale comes from the *updated*
@@ -453,7 +453,11 @@ def quant_post_step(model: nn.Module, decay: dict | None = None) -> dict:
 
     `decay` {weight parameter: c} gives the step's weight-decay shrink factor (w -> (1 - c) w); for weights on the grid
     the intended decay term `-c w` is then also landed alone by the layer's rule, and its fidelity is logged as
-    `decay_kept/<layer>`: a decay term far below half a grid step is lost under `nearest`. Returns {}."""
+    `decay_kept/<layer>`: a decay term far below half a grid step is lost under `nearest`.
+
+    `intended` {weight parameter: update}: an optimizer that lands on the grid itself (integer-exponent Madam on
+    E7M0, see `altgrad.optim.Madam.intended`) gives the update it would have made before its own rounding; the
+    mechanism metrics are measured against that, since `w - w_before` is then already on the grid. Returns {}."""
     for _, m in quantized_layers(model):
         before, m._snapshot = m._snapshot, None
         q, w = m.qw, m.weight
@@ -472,7 +476,9 @@ def quant_post_step(model: nn.Module, decay: dict | None = None) -> dict:
             if q.delayed: q.history.update(amax_of(w_new, q.granularity, q.block_size))
             se = expand_scale(s_old, w, q.granularity, q.block_size)
             prev = m.w_prev if m.w_prev.shape == w.shape else None
-            m._stall = update_stats(before, u, w_new, q.qfmt, se, w_prev2=prev, residual=c)
+            ui = (intended or {}).get(w)
+            us = u if ui is None else ui.detach().float()                # the update the optimizer meant
+            m._stall = update_stats(before, us, w_new, q.qfmt, se, w_prev2=prev, residual=c)
             cd = (decay or {}).get(w)
             if cd:                                           # the decay term alone, landed by the same rule
                 d = -cd * before.float()
@@ -480,7 +486,7 @@ def quant_post_step(model: nn.Module, decay: dict | None = None) -> dict:
                 gd = sr_generator(m.seed, m.layer_id, int(m.updates), 1) if rule == "stochastic" else None
                 dl = land(before, d, q.qfmt, expand_scale(s_new, w, q.granularity, q.block_size), rule, None, gd)[0] - before.float()
                 m._decay = torch.stack([(dl * d).sum(dtype=torch.float64), (d * d).sum(dtype=torch.float64)])
-            m._last_update = (before, u, se)
+            m._last_update = (before, us, se)
             m.w_prev = before
             m.updates += 1
         elif q.scale.numel():

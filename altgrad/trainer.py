@@ -242,7 +242,7 @@ def _train_step(self: Trainer) -> dict:
         if cfg.grad_clip > 0: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if q is not None: q.quant_pre_step(model, before)
         self.optimizer.step()
-        if q is not None: m.update(q.quant_post_step(model, decay_factors(self.optimizer)) or {})
+        if q is not None: m.update(q.quant_post_step(model, decay_factors(self.optimizer), getattr(self.optimizer, "intended", None)) or {})
         m.update(zero_update_metrics(before, model))
         self.nan_streak = 0
     else:
