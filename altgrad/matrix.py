@@ -68,7 +68,8 @@ def rule_matrix(root) -> dict:
             if c is None: continue
             m["cells"][f"{f}/{r}"] = dict(verdict=c.get("verdict"), finished=c.get("finished"), steps=c.get("steps"),
                                          max_steps=c.get("max_steps"), reused_from=c.get("reused_from"),
-                                         ref_val_loss=c.get("ref_val_loss"), run=f"{sweeps[r][0].name}/{c.get('name', f)}")
+                                         ref_val_loss=c.get("ref_val_loss"), run=f"{sweeps[r][0].name}/{c.get('name', f)}",
+                                         cos=c.get("quantized_cos"))
     return m
 
 # %% ../nbs/33_matrix.ipynb #20daa4fa
@@ -95,6 +96,10 @@ def matrix_markdown(m: dict, title: str = "Update rules × formats (one seed)", 
         L.append(f"| {f} | " + " | ".join((m["cells"].get(f"{f}/{r}") or {}).get("verdict") or "—" for r in m["rules"]) + " |")
     refs = sorted({c["ref_val_loss"] for c in m["cells"].values() if c.get("ref_val_loss") is not None})
     L += [""]
+    no_cos = sum(1 for c in m["cells"].values() if c.get("cos") is None)
+    if no_cos:
+        L += [f"{no_cos} of {len(m['cells'])} runs have no gradient cosine (FP32 shadow off): a PASS needs a mean cosine above "
+              "0.9 over the 8-bit layers, so those runs are at best INVESTIGATE whatever their loss.", ""]
     if any(c.get("reused_from") for c in m["cells"].values()):
         L += ["ᵃ reused run: the same grid as the format named in its sweep's summary (E0M7 = 2^-1 × E1M6), not retrained.", ""]
     if refs: L += [f"High-precision reference, final validation loss: {', '.join(format(x, '.4f') for x in refs)}.", ""]
