@@ -19,10 +19,10 @@ __all__ = ['MATRIX_RULES', 'MATRIX_METRICS', 'MATRIX_FILE', 'rule_of', 'read_swe
 MATRIX_RULES = ("nearest", "stochastic", "kahan", "madam", "lion")
 MATRIX_METRICS = {   # sweep-row key: (heading, number format)
     "final_val_loss": ("Final validation loss (nats/token)", ".4f"),
-    "mean_stall": ("Measured stall: share of 8-bit weights whose code did not move (mean over steps)", ".3f"),
-    "mean_pred_stall": ("Predicted stall: share with r = |u|/ulp < ½ (mean over steps)", ".3f"),
-    "mean_update_ratio": ("Median r = |u|/ulp over the 8-bit weights (mean over steps)", ".3g"),
-    "mean_rho": ("Fidelity ρ = ⟨Δw,u⟩/‖u‖² (mean over steps)", ".3f"),
+    "mean_stall": ("Measured stall: share of 8-bit weights with u ≠ 0 whose code did not move (mean over steps; ⁰: above 0.999, the 8-bit layers effectively frozen)", ".3f"),
+    "mean_pred_stall": ("Share with r = |u|/ulp < ½: the stall round-to-nearest would have (mean over steps; a prediction for `nearest` only)", ".3f"),
+    "mean_update_ratio": ("r = |u|/ulp: median over layers of each layer's median (mean over steps)", ".3g"),
+    "mean_rho": ("Fidelity ρ = ⟨Δw,u⟩/‖u‖² (mean over steps; it measures bias only: stochastic rounding is unbiased, so ρ ≈ 1 even where most weights stall)", ".3f"),
 }
 
 def rule_of(row: dict) -> str:
@@ -73,9 +73,9 @@ def rule_matrix(root) -> dict:
     return m
 
 # %% ../nbs/33_matrix.ipynb #20daa4fa
-def _cell_text(v, spec: str, c: dict | None) -> str:
+def _cell_text(v, spec: str, c: dict | None, frozen: bool = False) -> str:
     if v is None or (isinstance(v, float) and not np.isfinite(v)): return "—"
-    t = format(v, spec)
+    t = format(v, spec) + ("⁰" if frozen and v > 0.999 else "")
     if c and c.get("finished") is False: t += f" (stopped at {c.get('steps')})"
     if c and c.get("reused_from"): t += "ᵃ"
     return t
@@ -89,7 +89,8 @@ def matrix_markdown(m: dict, title: str = "Update rules × formats (one seed)", 
     for k, (head, spec) in MATRIX_METRICS.items():
         L += [f"## {head}", ""] + heads
         for f in m["formats"]:
-            L.append(f"| {f} | " + " | ".join(_cell_text(m["metrics"][k][f][r], spec, m["cells"].get(f"{f}/{r}")) for r in m["rules"]) + " |")
+            L.append(f"| {f} | " + " | ".join(_cell_text(m["metrics"][k][f][r], spec, m["cells"].get(f"{f}/{r}"), k == "mean_stall")
+                                              for r in m["rules"]) + " |")
         L.append("")
     L += ["## Verdicts (seed 002's criteria, per run)", ""] + heads
     for f in m["formats"]:

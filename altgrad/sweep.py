@@ -580,7 +580,7 @@ def matrix_note(preset: str, steps: int, seed: int, overrides: dict, formats) ->
     lrs = ", ".join(f"{o} {c.lr * default_lr_scale(o):.3g}" for o in ("adamw", "madam", "lion"))
     return (f"Preset `{resolve_preset(preset)}`, {steps} steps, seed {seed}, formats {', '.join(formats)}; every 8-bit "
             f"layer's weights live on its grid (`master_weights=format`); FP32 shadow {'off' if overrides.get('shadow') is False else 'on'}; "
-            f"learning rates (each optimizer's default multiple of the preset's): {lrs}. Config overrides: "
+            f"peak learning rates (each optimizer's default multiple of the preset's; warmup, then cosine decay): {lrs}. Config overrides: "
             + (", ".join(f"`{k}={v}`" for k, v in sorted(overrides.items())) or "none")
             + ". Each column is one `altgrad-sweep` folder; every cell's write-up is `<rule>/<format>/report.md`. "
             "One seed: a description of this run, not evidence about formats (see `altgrad-study`).")
