@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 # %% auto #0
 __all__ = ['ENV_SHARED', 'TOKENIZER', 'GPT2_BPE_FILES', 'SPLITS', 'HUB_DEFAULT', 'Part', 'META_VERSION', 'shared_data_dir',
            'get_tokenizer', 'split_name', 'prepare_cmd', 'resolve_source', 'local_plan', 'hub_plan', 'load_meta',
-           'prepare_eurlex', 'open_split', 'TokenData', 'get_batch', 'prepare_cli', 'unigram_baseline']
+           'prepare_eurlex', 'open_split', 'TokenData', 'batch_starts', 'get_batch', 'prepare_cli', 'unigram_baseline']
 
 # %% ../nbs/10_data.ipynb #874e91d4
 ENV_SHARED = "ALTGRAD_SHARED_DATA"
@@ -255,11 +255,14 @@ class TokenData:
     def __repr__(self): return f"TokenData({str(self.dir)!r}, " + ", ".join(f"{s}={v['tokens']:,} tokens" for s, v in self.meta["splits"].items()) + ")"
 
 # %% ../nbs/10_data.ipynb #b6799ed0
+def batch_starts(n: int, block_size: int, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    "The random start offsets of one batch of `get_batch` over `n` tokens (the only draw from `generator` it makes)."
+    if n <= block_size: raise ValueError(f"the split has {n} tokens, fewer than block_size + 1 = {block_size + 1}")
+    return torch.randint(n - block_size, (batch_size,), generator=generator)
+
 def get_batch(data, block_size: int, batch_size: int, device="cpu", generator: torch.Generator | None = None):
     "Random contiguous blocks `(x, y)` of shape (batch_size, block_size), int64, `y` = `x` shifted by one token."
-    n = len(data)
-    if n <= block_size: raise ValueError(f"the split has {n} tokens, fewer than block_size + 1 = {block_size + 1}")
-    ix = torch.randint(n - block_size, (batch_size,), generator=generator).numpy()
+    ix = batch_starts(len(data), block_size, batch_size, generator).numpy()
     buf = torch.from_numpy(np.asarray(data[ix[:, None] + np.arange(block_size + 1)], dtype=np.int64))
     x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
     if torch.device(device).type == "cuda":

@@ -13,7 +13,8 @@ import torch.distributed as dist
 # %% auto #0
 __all__ = ['DEFAULT_TIMEOUT', 'DistEnv', 'dist_env', 'dist_timeout', 'DistributedError', 'is_distributed', 'rank', 'world_size',
            'is_main', 'device_for', 'init_distributed', 'destroy_distributed', 'all_reduce_max', 'all_reduce_sum',
-           'all_true', 'average_', 'broadcast_object', 'all_gather_object', 'barrier', 'sigterm_as_exit']
+           'all_true', 'average_', 'all_reduce_max_', 'broadcast_object', 'all_gather_object', 'barrier',
+           'sigterm_as_exit']
 
 # %% ../nbs/05_distributed.ipynb #efea4f72
 @dataclass(frozen=True)
@@ -129,19 +130,28 @@ def all_true(flag, device="cpu") -> bool:
     _collective("all_reduce(flag)", dist.all_reduce, t, op=dist.ReduceOp.SUM)
     return int(t) == 0
 
-def average_(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    "In place: each tensor becomes its mean over ranks (one flat all-reduce per dtype); returns `tensors`."
+def _flat_all_reduce_(tensors: list[torch.Tensor], op, name: str, mean: bool = False) -> list[torch.Tensor]:
+    "In place over ranks, one flat all-reduce per (dtype, device) group; returns `tensors`."
     if not is_distributed() or not tensors: return tensors
     by_dtype: dict = {}
     for t in tensors: by_dtype.setdefault((t.dtype, t.device), []).append(t)
     for group in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in group])
-        _collective("all_reduce(average)", dist.all_reduce, flat, op=dist.ReduceOp.SUM)
-        flat /= world_size()
+        if op == dist.ReduceOp.MAX and flat.is_floating_point(): torch.nan_to_num_(flat, nan=float("inf"))
+        _collective(name, dist.all_reduce, flat, op=op)
+        if mean: flat /= world_size()
         i = 0
         for t in group:
             t.copy_(flat[i:i + t.numel()].view_as(t)); i += t.numel()
     return tensors
+
+def average_(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    "In place: each tensor becomes its mean over ranks (one flat all-reduce per dtype); returns `tensors`."
+    return _flat_all_reduce_(tensors, dist.ReduceOp.SUM, "all_reduce(average)", mean=True)
+
+def all_reduce_max_(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    "In place: each tensor becomes its elementwise max over ranks (NaN counts as +inf; one flat all-reduce per dtype)."
+    return _flat_all_reduce_(tensors, dist.ReduceOp.MAX, "all_reduce(max)")
 
 def broadcast_object(obj, src: int = 0):
     "`obj` of rank `src` on every rank (a picklable object)."

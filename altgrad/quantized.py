@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .formats import COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_mode, get_format, quantize
 from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale
 from .diagnostics import bit_histogram, range_edges, stall_counts
-from .distributed import all_reduce_max, all_reduce_sum, is_distributed
+from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_distributed
 from .grid import (WEIGHT_UPDATES, RESIDUAL_DTYPES, land, regrid_scale, store_residual, update_stats, stats_dict, STAT_FIELDS,
                           ratio_histogram)
 
@@ -503,13 +503,7 @@ def commit_amax(model: nn.Module):
     Under data parallelism the pending amaxes of all quantizers are first max-reduced over the ranks in one
     all-reduce, so every rank pushes the same amax and the delayed scales agree everywhere."""
     qs = [q for _, m in quantized_layers(model) for q in m.quantizers().values()]
-    if is_distributed():
-        pend = [q for q in qs if q._pending is not None]
-        if pend:
-            flat = all_reduce_max(torch.cat([q._pending.reshape(-1).float() for q in pend]))
-            i = 0
-            for q in pend:
-                n = q._pending.numel(); q._pending = flat[i:i + n].view_as(q._pending); i += n
+    if is_distributed(): all_reduce_max_([q._pending for q in qs if q._pending is not None])
     for q in qs: q.commit_history()
 
 def set_distributed(model: nn.Module, rank: int, world_size: int):

@@ -13,7 +13,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 from .config import (TrainConfig, ConfigError, load_config, parse_overrides, save_config, resolve_device,
                             autocast_dtype, PRESETS)
-from .data import TokenData
+from .data import TokenData, batch_starts
 from .model import GPT, GPTConfig
 from .tracking import Tracker, to_python
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, atomic_write_text
@@ -266,7 +266,7 @@ def _train_step(self: Trainer) -> dict:
 
 def _skip_draw(n_tokens: int, cfg, gen: torch.Generator):
     "Advance `gen` exactly as `data.get_batch` does for one batch, without reading the data (another rank's slot)."
-    torch.randint(n_tokens - cfg.block_size, (cfg.batch_size,), generator=gen)
+    batch_starts(n_tokens, cfg.block_size, cfg.batch_size, gen)
 
 def _next_batches(self: Trainer) -> list:
     """This rank's `grad_accum` micro-batches of the next step: slots `rank*grad_accum ...` of the step's
@@ -317,7 +317,7 @@ def _state_dict(self: Trainer) -> dict:
 
 def _pending_state(self: Trainer) -> dict:
     "8-bit models: the amaxes recorded but not yet pushed into their histories (`quantized.pending_amax`)."
-    if self.q is None or not hasattr(self.q, "pending_amax"): return {}
+    if self.q is None: return {}
     return dict(pending_amax=self.q.pending_amax(self.model))
 
 def _rank_states(self: Trainer) -> dict:
@@ -338,7 +338,7 @@ def _load_state_dict(self: Trainer, st: dict):
     self.nan_streak, self.first_nan_step = st["nan"]["streak"], st["nan"]["first_step"]
     self.anomaly_path = Path(st["nan"]["anomaly"]) if st["nan"].get("anomaly") else None
     self.last_train_loss, self.last_val_loss = st.get("last_train_loss"), st.get("last_val_loss")
-    if self.q is not None and hasattr(self.q, "load_pending_amax"):     # (absent in older checkpoints: nothing pending)
+    if self.q is not None:                                              # (absent in older checkpoints: nothing pending)
         ranks = st.get("pending_amax_ranks") if self.world > 1 else None
         self.q.load_pending_amax(self.model, ranks[self.rank] if ranks is not None else st.get("pending_amax"))
 
