@@ -185,8 +185,8 @@ RULES = {
     "nearest": dict(master_weights="format", weight_update="nearest", optimizer="adamw"),
     "stochastic": dict(master_weights="format", weight_update="stochastic", optimizer="adamw"),
     "kahan": dict(master_weights="format", weight_update="kahan", optimizer="adamw"),
-    "madam": dict(master_weights="format", weight_update="nearest", optimizer="madam"),
-    "lion": dict(master_weights="format", weight_update="nearest", optimizer="lion"),
+    "madam": dict(master_weights="format", weight_update="stochastic", optimizer="madam"),
+    "lion": dict(master_weights="format", weight_update="stochastic", optimizer="lion"),
 }
 RULE_NAMES = {"fp32": "FP32 master weights", "nearest": "round-to-nearest (control)", "stochastic": "stochastic rounding",
               "kahan": "Kahan error feedback", "madam": "Madam", "lion": "Lion"}
@@ -198,7 +198,7 @@ STUDY_KEYS = ("fmt", "fmt_backward", "rules", "master_weights", "weight_update",
               "checkpoint_interval", "wandb_mode")
 # per preset: steps, shadow, LR multipliers, LR-sweep formats (None: every format). cpu: fits ~4 h of this 2-core machine
 STUDY_DEFAULTS = {
-    "cpu": dict(steps=200, shadow=False, lr_mults=(1 / 3, 1.0, 3.0), lr_formats=("E3M4", "E5M2")),
+    "cpu": dict(steps=120, shadow=False, lr_mults=(1 / 3, 1.0, 3.0), lr_formats=("E3M4", "E5M2")),
     "gpu": dict(steps=2000, shadow=True, lr_mults=(1 / 3, 1.0, 3.0), lr_formats=None),
     "smoke": dict(steps=6, shadow=False, lr_mults=(1.0,), lr_formats=None),
 }
@@ -1007,7 +1007,7 @@ def study_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", help=f"comma-separated (default: {','.join(DISTINCT_FORMATS)}; grid-equivalent ones are dropped)")
     p.add_argument("--rules", help=f"comma-separated among {','.join(RULES)} (default: all; fp32 and nearest always run)")
     p.add_argument("--seeds", help="comma-separated (default: 42,43,44)")
-    p.add_argument("--steps", type=int, help="steps per run (default: the preset's study default, cpu: 200)")
+    p.add_argument("--steps", type=int, help="steps per run (default: the preset's study default, cpu: 120)")
     p.add_argument("--lr-mults", help="learning-rate multipliers of each rule's default, e.g. 1/3,1,3")
     p.add_argument("--lr-formats", help="formats of the LR sweep (default cpu: E3M4,E5M2; others: every format)")
     g = p.add_mutually_exclusive_group()
