@@ -198,7 +198,7 @@ STUDY_KEYS = ("fmt", "fmt_backward", "rules", "master_weights", "weight_update",
               "checkpoint_interval", "wandb_mode")
 # per preset: steps, shadow, LR multipliers, LR-sweep formats (None: every format). cpu: fits ~4 h of this 2-core machine
 STUDY_DEFAULTS = {
-    "cpu": dict(steps=120, shadow=False, lr_mults=(1 / 3, 1.0, 3.0), lr_formats=("E3M4", "E5M2")),
+    "cpu": dict(steps=120, shadow=False, lr_mults=(1 / 3, 1.0, 3.0), lr_formats=("E0M7", "E3M4", "E5M2", "E7M0")),
     "gpu": dict(steps=2000, shadow=True, lr_mults=(1 / 3, 1.0, 3.0), lr_formats=None),
     "smoke": dict(steps=6, shadow=False, lr_mults=(1.0,), lr_formats=None),
 }
@@ -1009,7 +1009,7 @@ def study_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", help="comma-separated (default: 42,43,44)")
     p.add_argument("--steps", type=int, help="steps per run (default: the preset's study default, cpu: 120)")
     p.add_argument("--lr-mults", help="learning-rate multipliers of each rule's default, e.g. 1/3,1,3")
-    p.add_argument("--lr-formats", help="formats of the LR sweep (default cpu: E3M4,E5M2; others: every format)")
+    p.add_argument("--lr-formats", help="formats of the LR sweep (default cpu: E0M7,E3M4,E5M2,E7M0; others: every format)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--shadow", dest="shadow", action="store_true", help="FP32 shadow on in the 8-bit runs")
     g.add_argument("--no-shadow", dest="shadow", action="store_false", help="FP32 shadow off (cpu default)")
