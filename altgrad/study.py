@@ -20,15 +20,16 @@ from .sweep import check_run, ensure_data, resolve_preset
 
 # %% auto #0
 __all__ = ['T975', 'DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'RULES', 'RULE_NAMES', 'CONTROL', 'UPPER', 'GRID_RULES', 'REF_PRECISIONS',
-           'STUDY_KEYS', 'STUDY_DEFAULTS', 'MECH_KEYS', 'INPUTS_FILE', 'CPU_STEP_SECONDS', 'RUN_OVERHEAD_SECONDS',
-           'scipy_stats', 't_crit', 'mean_ci', 'paired_benefit', 'recovered_fraction', 'progress_lost_ci',
-           'rank_by_benefit', 'ranking_text', 'overlaps', 'rankdata', 'spearman', 'mult_label', 'parse_mults',
-           'lr_scale_for', 'distinct_formats', 'normalize_rules', 'StudyPlan', 'study_defaults', 'make_plan', 'RunSpec',
-           'reference_spec', 'format_spec', 'lr_specs', 'seed_specs', 'cell_specs', 'parse_shard', 'shard_specs',
-           'trivial_choice', 'run_dir', 'spec_config', 'finalize_run', 'train_spec', 'execute', 'collect_runs',
-           'final_loss', 'choose_lr', 'lr_key', 'load_lr_choice', 'write_lr_choice', 'mechanism_of', 'run_record',
-           'analyze', 'write_fake_run', 'answer_paragraph', 'expectation_notes', 'plot_benefit', 'plot_lr_sweep',
-           'regenerate_command', 'write_answer', 'report_study', 'run_study', 'estimate_seconds', 'study_cli']
+           'STUDY_KEYS', 'STUDY_DEFAULTS', 'MECH_KEYS', 'MECH_ALL', 'SAME_LANDING', 'INPUTS_FILE', 'CPU_STEP_SECONDS',
+           'RUN_OVERHEAD_SECONDS', 'scipy_stats', 't_crit', 'mean_ci', 'paired_benefit', 'ratio_ci',
+           'recovered_fraction', 'progress_lost_ci', 'rank_by_benefit', 'ranking_text', 'overlaps', 'rankdata',
+           'spearman', 'mult_label', 'parse_mults', 'lr_scale_for', 'distinct_formats', 'normalize_rules', 'StudyPlan',
+           'study_defaults', 'make_plan', 'RunSpec', 'reference_spec', 'format_spec', 'lr_specs', 'seed_specs',
+           'cell_specs', 'parse_shard', 'shard_specs', 'trivial_choice', 'run_dir', 'spec_config', 'finalize_run',
+           'train_spec', 'execute', 'collect_runs', 'final_loss', 'choose_lr', 'lr_key', 'load_lr_choice',
+           'write_lr_choice', 'mechanism_of', 'run_record', 'analyze', 'write_fake_run', 'answer_paragraph',
+           'expectation_notes', 'plot_benefit', 'plot_lr_sweep', 'regenerate_command', 'write_answer', 'report_study',
+           'run_study', 'estimate_seconds', 'study_cli']
 
 # %% ../nbs/32_study.ipynb #e92daf59
 T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
@@ -85,27 +86,41 @@ def _paired_seeds(*maps) -> list:
 
 def paired_benefit(control: dict, treated: dict, conf: float = 0.95, use_scipy: bool | None = None) -> dict:
     """Benefit of a rule over its control, paired by seed (`{seed: final loss or None}` each): d_s = L_control − L_rule
-    over the seeds where both finished; mean, t-interval, effect size mean/SD(d) (None when SD is 0 or n < 2)."""
+    over the seeds where both finished; mean, t-interval, effect size mean/SD(d) (None when SD is 0 or n < 3)."""
     seeds = _paired_seeds(control, treated)
     d = [control[s] - treated[s] for s in seeds]
     r = mean_ci(d, conf, use_scipy)
-    r.update(effect_size=(r["mean"] / r["sd"] if r["sd"] else None), seeds=seeds, diffs=d,
+    r.update(effect_size=(r["mean"] / r["sd"] if r["sd"] and r["n"] >= 3 else None), seeds=seeds, diffs=d,
              unpaired=sorted((set(control) | set(treated)) - set(seeds), key=str))
     return r
 
+def ratio_ci(num, den, conf: float = 0.95, use_scipy: bool | None = None) -> dict:
+    """Ratio of paired means R = mean(num)/mean(den) with Fieller's interval: every R where mean(num) − R·mean(den) is
+    within t·SE of zero. `bounded` is False (lo = hi = None) when mean(den) is not resolved from zero at `conf`."""
+    a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float); n = len(a)
+    out = dict(mean=None, lo=None, hi=None, n=n, bounded=False)
+    if n == 0 or len(b) != n: return out
+    ma, mb = float(a.mean()), float(b.mean())
+    if mb != 0: out["mean"] = ma / mb
+    if n < 2: return out
+    t2 = t_crit(n - 1, conf, use_scipy) ** 2
+    vaa, vbb, vab = (float(np.cov(a, b, ddof=1)[i, j]) / n for i, j in ((0, 0), (1, 1), (0, 1)))
+    A = mb * mb - t2 * vbb
+    if A <= 0: return out                               # the denominator's interval includes 0: unbounded set
+    B = ma * mb - t2 * vab; C = ma * ma - t2 * vaa
+    disc = max(B * B - A * C, 0.0)
+    out.update(lo=(B - math.sqrt(disc)) / A, hi=(B + math.sqrt(disc)) / A, bounded=True)
+    return out
+
 def recovered_fraction(nearest: dict, treated: dict, upper: dict, conf: float = 0.95, use_scipy: bool | None = None) -> dict:
-    """Share of the master-weight gap a rule closes: f_s = (L_near − L_rule)/(L_near − L_fp32) per seed where the gap is
-    positive, then mean and t-interval; `no_gap_seeds`: seeds left out (gap <= 0); `ratio_of_means`: mean benefit /
-    mean gap over the seeds where all three finished (None when that mean gap is not positive)."""
+    """Share of the master-weight gap a rule closes over the seeds where all three finished: R = mean benefit / mean gap
+    (benefit L_near − L_rule, gap L_near − L_fp32) with Fieller's interval (`ratio_ci`); `resolved`: the gap's interval
+    excludes 0 (else no interval); `gap`: its mean_ci; `per_seed`: the ratios d_s/g_s, for reference only."""
     seeds = _paired_seeds(nearest, treated, upper)
-    gap = {s: nearest[s] - upper[s] for s in seeds}
-    ok = [s for s in seeds if gap[s] > 0]
-    f = [(nearest[s] - treated[s]) / gap[s] for s in ok]
-    r = mean_ci(f, conf, use_scipy)
-    mg = math.fsum(gap.values()) / len(seeds) if seeds else None
-    mb = math.fsum(nearest[s] - treated[s] for s in seeds) / len(seeds) if seeds else None
-    r.update(seeds=ok, values=f, no_gap_seeds=[s for s in seeds if gap[s] <= 0],
-             ratio_of_means=(mb / mg if mg is not None and mg > 0 else None), mean_gap=mg)
+    d = [nearest[s] - treated[s] for s in seeds]; g = [nearest[s] - upper[s] for s in seeds]
+    r = ratio_ci(d, g, conf, use_scipy)
+    r.update(resolved=r["bounded"], gap=mean_ci(g, conf, use_scipy), seeds=seeds,
+             per_seed={str(s): (x / y if y else None) for s, x, y in zip(seeds, d, g)})
     return r
 
 def progress_lost_ci(losses: dict, refs: dict, unigram: float | None, conf: float = 0.95, use_scipy: bool | None = None) -> dict:
@@ -189,7 +204,7 @@ RULES = {
     "lion": dict(master_weights="format", weight_update="stochastic", optimizer="lion"),
 }
 RULE_NAMES = {"fp32": "FP32 master weights", "nearest": "round-to-nearest (control)", "stochastic": "stochastic rounding",
-              "kahan": "Kahan error feedback", "madam": "Madam", "lion": "Lion"}
+              "kahan": "Kahan error feedback", "madam": "Madam (stochastic landing)", "lion": "Lion (stochastic landing)"}
 CONTROL, UPPER = "nearest", "fp32"
 GRID_RULES = ("stochastic", "kahan", "madam", "lion")
 REF_PRECISIONS = ("fp32", "bf16")
@@ -498,13 +513,19 @@ def _clean(x):
 MECH_KEYS = {"pred_stall": "pred_stall/total", "update_ratio": "update_ratio/total", "stall": "stall/total",
              "rho": "rho/total", "lost_update": "lost_update/total", "flip_back": "flip_back/total",
              "zero_frac": "zero_frac/total"}
+MECH_ALL = tuple(MECH_KEYS) + tuple(k + "_post" for k in MECH_KEYS)
+# rules whose landing is another rule's: their benefit over that rule isolates the optimizer (same landing, same seeds)
+SAME_LANDING = {"madam": "stochastic", "lion": "stochastic"}
 
 def mechanism_of(run) -> dict:
-    "The run's mechanism numbers: mean over steps of each rate, median over steps of `update_ratio/total` (None if not logged)."
-    out = {}
+    """The run's mechanism numbers: mean over steps of each rate, median over steps of `update_ratio/total` (None if not
+    logged); the same over the steps after warmup as `<key>_post`."""
+    out, warm = {}, int((run.config or {}).get("warmup_steps") or 0)
     for k, key in MECH_KEYS.items():
-        _, v = run.series(key); v = v[np.isfinite(v)]
-        out[k] = (float(np.median(v)) if k == "update_ratio" else float(v.mean())) if len(v) else None
+        st, v = run.series(key); ok = np.isfinite(v)
+        for suffix, sel in (("", ok), ("_post", ok & (st > warm))):
+            x = v[sel]
+            out[k + suffix] = (float(np.median(x)) if k == "update_ratio" else float(x.mean())) if len(x) else None
     return out
 
 def run_record(spec: RunSpec, run) -> dict:
@@ -526,7 +547,7 @@ def _mean_of(vals):
 
 def analyze(plan: StudyPlan, runs: dict, choice: dict, unigram: float | None, conf: float = 0.95) -> dict:
     "Every number of the write-up from `{run name: Run or None}`: `study.json`'s content (see the keys below)."
-    mults = choice["mults"]
+    mults, tune_seed = choice["mults"], plan.seeds[0]
     specs = lr_specs(plan) + seed_specs(plan, mults)
     recs = {sp.name: run_record(sp, runs.get(sp.name)) for sp in specs}
     loss = lambda n: recs[n].get("final_val_loss")
@@ -544,11 +565,18 @@ def analyze(plan: StudyPlan, runs: dict, choice: dict, unigram: float | None, co
                      missing=[s.name for s in sp if recs[s.name]["missing"]],
                      progress_lost=progress_lost_ci(L, refs["bf16"], unigram, conf),
                      progress_lost_fp32ref=progress_lost_ci(L, refs["fp32"], unigram, conf))
-            if r != CONTROL: c["benefit"] = paired_benefit(ctrl, L, conf)
+            if r != CONTROL:
+                c["benefit"] = paired_benefit(ctrl, L, conf)
+                c["benefit_other_seeds"] = paired_benefit({s: v for s, v in ctrl.items() if s != tune_seed}, L, conf)
+                c["control_failed"] = sum(1 for v in ctrl.values() if v is None)
             if r not in (CONTROL, UPPER): c["recovered"] = recovered_fraction(ctrl, L, up, conf)
+            if r in SAME_LANDING and SAME_LANDING[r] in plan.rules:
+                c["vs_same_landing"] = dict(paired_benefit(cell_loss(f, SAME_LANDING[r]), L, conf), against=SAME_LANDING[r])
+            rr = [recs[s.name] for s in sp]
+            c["mechanism"] = {k: _mean_of((x.get("mechanism") or {}).get(k) for x in rr) for k in MECH_ALL}
             cells[f][r] = c
         near = [recs[s.name] for s in cell_specs(plan, mults, f, CONTROL)]
-        m = {k: _mean_of((x.get("mechanism") or {}).get(k) for x in near) for k in MECH_KEYS}
+        m = {k: _mean_of((x.get("mechanism") or {}).get(k) for x in near) for k in MECH_ALL}
         mech[f] = dict(**m, runs=[x["dir"] for x in near if not x["missing"]])
     others = [r for r in plan.rules if r != CONTROL]
     ranking = {r: rank_by_benefit({f: cells[f][r]["benefit"] for f in plan.formats}) for r in others}
@@ -560,7 +588,7 @@ def analyze(plan: StudyPlan, runs: dict, choice: dict, unigram: float | None, co
         f, r = max(grid, key=lambda fr: cells[fr[0]][fr[1]]["benefit"]["mean"])
         b = cells[f][r]["benefit"]
         headline = dict(fmt=f, rule=r, benefit=b, recovered=cells[f][r].get("recovered"), runs=cells[f][r]["runs"],
-                        control_runs=cells[f][CONTROL]["runs"], mechanism=mech[f],
+                        control_runs=cells[f][CONTROL]["runs"], mechanism=mech[f], rule_mechanism=cells[f][r]["mechanism"],
                         not_separable_from=[f"{g}+{q}" for g, q in grid if (g, q) != (f, r) and overlaps(b, cells[g][q]["benefit"])])
     best_rule = {}
     for f in plan.formats:
@@ -575,7 +603,8 @@ def analyze(plan: StudyPlan, runs: dict, choice: dict, unigram: float | None, co
     return _clean(dict(
         plan=plan.to_dict(), unigram=unigram, conf=conf, complete=not missing, missing=missing, failed=failed,
         lr_choice=dict(mults={r: mults[r] for r in plan.rules}, lr_scale={r: lr_scale_for(r, mults[r]) for r in plan.rules},
-                       table=choice.get("table", {})),
+                       table=choice.get("table", {}), tuning_seed=tune_seed,
+                       at_edge=[r for r in plan.rules if len(plan.lr_mults) > 1 and mults[r] in (min(plan.lr_mults), max(plan.lr_mults))]),
         references={p: dict(losses=refs[p], loss=mean_ci(refs[p].values(), conf), runs=ref_runs[p]) for p in REF_PRECISIONS},
         cells=cells, mechanism=mech, ranking=ranking, ranking_text={r: ranking_text(v) for r, v in ranking.items()},
         correlation=corr, headline=headline, best_rule=best_rule, devices=devices,
@@ -604,11 +633,17 @@ def write_fake_run(d, loss: float | None, steps: int = 10, fmt: str | None = "E4
     return d
 
 # %% ../nbs/32_study.ipynb #3feb3ad7
-def _pm(c: dict | None, spec: str = ".4f", pct: bool = False) -> str:
-    "`mean ± half` (n when < all seeds), `mean (1 seed)`, or an em dash."
+def _pm(c: dict | None, spec: str = ".4f", pct: bool = False, total: int | None = None) -> str:
+    "`mean ± half`, `mean (no interval)` or an em dash; ` (n=k)` when k < `total` values went in."
     if not c or c.get("mean") is None: return "—"
     f = (lambda v: f"{v:.0%}") if pct else (lambda v: format(v, spec))
-    return f(c["mean"]) + (f" ± {f(c['half'])}" if c.get("half") is not None else " (no interval)")
+    return (f(c["mean"]) + (f" ± {f(c['half'])}" if c.get("half") is not None else " (no interval)")
+            + (f" (n={c['n']})" if total is not None and c.get("n") is not None and c["n"] < total else ""))
+
+def _recovered_txt(rf: dict | None) -> str:
+    "`79% [60% to 95%]` (Fieller), 'gap not resolved', or an em dash."
+    if not rf or rf.get("mean") is None: return "—"
+    return f"{rf['mean']:.0%} [{rf['lo']:.0%} to {rf['hi']:.0%}]" if rf.get("resolved") else "gap not resolved"
 
 def _ci(c: dict, spec: str = ".3f", pct: bool = False) -> str:
     f = (lambda v: f"{v:.0%}") if pct else (lambda v: format(v, spec))
@@ -624,52 +659,83 @@ def _model_text(run_cfg: dict) -> str:
     return (f"{run_cfg.get('n_layer')} layers × {run_cfg.get('n_embd')} wide, context {run_cfg.get('block_size')}, "
             f"batch {run_cfg.get('batch_size')}")
 
+def _interval_verdict(b: dict) -> str | None:
+    "'above' (interval above 0), 'below', 'zero' (includes 0) or None (no interval)."
+    if b.get("lo") is None: return None
+    return "above" if b["lo"] > 0 else "below" if b["hi"] < 0 else "zero"
+
+def _corr_text(c: dict, what: str) -> tuple[str, bool]:
+    "(sentence about a Spearman correlation the mechanism predicts to be positive, whether it supports the mechanism)."
+    if c.get("rho") is None:
+        return "The rank correlation between predicted stall and benefit could not be computed (fewer than 3 formats with both, or no spread).", False
+    sig = c["p"] is not None and c["p"] < 0.05
+    t = (f"Across formats, predicted stall under nearest and the benefit of {what} have Spearman ρ = {c['rho']:.2f} "
+         f"(n = {c['n']}, permutation p = {c['p']:.2g})")
+    if c["rho"] > 0 and sig: return t + ": the more a format's updates stall, the more the rule helps, as the mechanism predicts.", True
+    if c["rho"] > 0: return t + ", the sign the mechanism predicts but not significant at this n.", False
+    return t + (": the opposite of what the mechanism predicts." if sig else ", not the sign the mechanism predicts (and not significant)."), False
+
 def answer_paragraph(st: dict) -> str:
-    "The first paragraph of `answer.md`, generated from `study.json`'s numbers."
+    "The first paragraph of `answer.md`, generated from `study.json`'s numbers (claims only as strong as the intervals)."
     plan, h = st["plan"], st["headline"]
     grid_rules = [r for r in plan["rules"] if r in GRID_RULES]
     if h is None:
         why = ("the study has no grid-aware rule (use --rules)" if not grid_rules else
                f"{len(st['missing'])} runs are missing and no benefit could be computed yet" if st["missing"] else "no benefit could be computed")
         return f"**Answer.** Not available: {why}."
-    f, r, b, rf, m = h["fmt"], h["rule"], h["benefit"], h.get("recovered") or {}, h["mechanism"]
-    S = [f"**Answer.** Of the {len(plan['formats'])} formats ({', '.join(plan['formats'])}) and the grid-aware rules "
-         f"{', '.join(grid_rules)}, **{f}** benefits most, from **{_rule(r)}**: with its weights on the {f} grid it ends "
-         f"{b['mean']:.3f} nats below round-to-nearest's final validation loss ("
-         + (f"{_ci(b)}, {b['n']} paired seeds, effect size {b['effect_size']:.2f}" if b.get("lo") is not None and b.get("effect_size") is not None
-            else f"{_ci(b)}, {b['n']} paired seed{'s' * (b['n'] != 1)}") + ")"
-         + (f" and closes {rf['mean']:.0%} of the gap to FP32 master weights ({_ci(rf, pct=True)})" if rf.get("mean") is not None else "")
-         + "."]
-    if b.get("lo") is None or b["lo"] <= 0:
-        S.append("That interval includes zero (or there is none), so even the largest benefit is not distinguishable from none at this number of seeds.")
-    if h["not_separable_from"]:
-        S.append(f"It is not separable from {_join(h['not_separable_from'])} (overlapping intervals).")
-    if m.get("pred_stall") is not None:
-        if m["pred_stall"] >= 0.5:
-            S.append(f"Why, in the measured mechanism: under round-to-nearest most of {f}'s updates are smaller than half a grid step "
-                     f"(median r = |u|/ulp = {m['update_ratio']:.2g}, predicted stall {m['pred_stall']:.0%}, measured stall "
-                     f"{fmt_num(m.get('stall'), '.0%')}, fidelity ρ = {fmt_num(m.get('rho'), '.2f')}), so nearest rounds them away "
-                     f"and {_rule(r)} lets them reach the weights.")
-        else:
-            S.append(f"The stall mechanism does not single it out: under round-to-nearest only {m['pred_stall']:.0%} of {f}'s updates are "
-                     f"predicted to stall (median r = |u|/ulp = {fmt_num(m.get('update_ratio'), '.2g')}, measured stall "
-                     f"{fmt_num(m.get('stall'), '.0%')}, fidelity ρ = {fmt_num(m.get('rho'), '.2f')}).")
-    c = st["correlation"].get(r, {}).get("pred_stall", {})
-    sig = c.get("p") is not None and c["p"] < 0.05
-    if c.get("rho") is not None:
-        S.append(f"Across formats, predicted stall under nearest orders the benefit of {_rule(r)} with Spearman ρ = {c['rho']:.2f} "
-                 f"(n = {c['n']}, permutation p = {c['p']:.2g})" + ("." if sig else ", which is not significant at this n."))
-    else: S.append("The rank correlation between predicted stall and benefit could not be computed (fewer than 3 formats with both, or no spread).")
+    f, r, b, rf, m, rm = h["fmt"], h["rule"], h["benefit"], h.get("recovered") or {}, h["mechanism"], h.get("rule_mechanism") or {}
+    n_pairs = f"{b['n']} paired seed{'s' * (b['n'] != 1)}"
+    stats = f"{_ci(b)}, {n_pairs}" + (f", effect size {b['effect_size']:.2f}" if b.get("effect_size") is not None else "")
+    verdict = _interval_verdict(b)
+    scope = f"Of the {len(plan['formats'])} formats ({', '.join(plan['formats'])}) and the grid-aware rules {', '.join(_rule(q) for q in grid_rules)}"
     weak = []
+    if b["mean"] <= 0:
+        S = [f"**Answer.** No grid-aware rule lowered the final validation loss on average. {scope}, the least harmful is "
+             f"**{f}** with **{_rule(r)}**, which ends {-b['mean']:.3f} nats *above* round-to-nearest ({stats})."]
+    else:
+        clear = verdict == "above" and not h["not_separable_from"]
+        lead = f"**{f}** benefits most, from **{_rule(r)}**" if clear else f"**{f}** with **{_rule(r)}** has the largest mean benefit"
+        S = [f"**Answer.** {scope}, {lead}: with its weights on the {f} grid it ends {b['mean']:.3f} nats below round-to-nearest's "
+             f"final validation loss ({stats})"
+             + (f" and closes {rf['mean']:.0%} of the gap to FP32 master weights (Fieller 95% CI {rf['lo']:.0%} to {rf['hi']:.0%})."
+                if rf.get("resolved") else
+                f"; the gap between round-to-nearest and FP32 master weights on {f} ({_pm((rf.get('gap') or {}), '.3f')} nats) is not resolved "
+                "at this number of seeds, so no recovered share is quoted." if rf else ".")]
+        if verdict is None: S.append("There is no interval (fewer than 2 paired seeds).")
+        elif verdict == "zero": S.append("That interval includes zero, so even the largest benefit is not distinguishable from none at this number of seeds.")
+        if h["not_separable_from"]:
+            S.append(f"It is not separable from {len(h['not_separable_from'])} other format × rule pair"
+                     f"{'s' * (len(h['not_separable_from']) != 1)} ({_join(h['not_separable_from'], 5)}; overlapping intervals).")
+    c = st["correlation"].get(r, {}).get("pred_stall", {})
+    ctext, supports = _corr_text(c, _rule(r))
+    if m.get("pred_stall") is not None:
+        mech = (f"Under round-to-nearest {m['pred_stall']:.0%} of {f}'s non-zero weight updates are smaller than half a grid step "
+                f"(median r = |u|/ulp = {fmt_num(m.get('update_ratio'), '.2g')}; after warmup {fmt_num(m.get('pred_stall_post'), '.0%')}) and "
+                f"round back to where they were, so nearest keeps a fidelity ρ = {fmt_num(m.get('rho'), '.2f')} of the intended update"
+                + (f", against ρ = {fmt_num(rm.get('rho'), '.2f')} under {_rule(r)}" if rm.get("rho") is not None else "") + ".")
+        if b["mean"] > 0 and m["pred_stall"] >= 0.5:
+            if verdict == "above" and supports: mech += " That is the stall mechanism: the rule lets through the updates nearest rounds away."
+            else:
+                short = (["the benefit's interval includes zero"] if verdict != "above" else []) + \
+                        (["the correlation across formats does not support it"] if not supports else [])
+                mech += (" This is consistent with the stall mechanism (the rule lets through updates nearest rounds away), but the "
+                         "evidence does not establish it: " + " and ".join(short) + ".")
+        elif b["mean"] > 0:
+            mech += f" The stall mechanism does not single {f} out: fewer than half of its updates stall under nearest."
+        S.append(mech)
+    S.append(ctext)
     cells = [st["cells"][g][q]["benefit"] for g in plan["formats"] for q in grid_rules]
-    zero = [x for x in cells if x.get("lo") is None or x["lo"] <= 0 <= x["hi"]]
+    zero = [x for x in cells if _interval_verdict(x) in (None, "zero")]
     if zero: weak.append(f"{len(zero)} of {len(cells)} format × rule benefits have intervals that include zero or have none")
     if st["failed"]: weak.append(f"{len(st['failed'])} runs stopped at a NaN and are left out of the statistics ({_join(st['failed'], 3)})")
     if st["missing"]: weak.append(f"{len(st['missing'])} runs are missing (the study is incomplete)")
-    if c.get("rho") is not None and not sig: weak.append("the mechanism's rank correlation is not significant")
+    if not supports: weak.append("the mechanism's rank correlation does not support it at this n")
     if len(plan["seeds"]) < 5: weak.append(f"there are only {len(plan['seeds'])} seeds")
-    if len(plan["lr_mults"]) > 1 and plan["lr_formats"] != plan["formats"]:
-        weak.append(f"the learning rates were tuned at seed {plan['seeds'][0]} on {', '.join(plan['lr_formats'])} only")
+    if len(plan["lr_mults"]) > 1:
+        weak.append(f"the learning rates were tuned on a ×{'/'.join(mult_label(x) for x in plan['lr_mults'])} grid at seed {plan['seeds'][0]}"
+                    + (f" on {', '.join(plan['lr_formats'])} only" if plan["lr_formats"] != plan["formats"] else ""))
+        edge = st["lr_choice"].get("at_edge") or []
+        if edge: weak.append(f"the chosen rate lies at the edge of that grid for {', '.join(edge)}, so their optimum is not bracketed")
     weak.append(f"the runs are {plan['steps']} steps of a small model on {', '.join(st['devices']) or 'an unknown device'}")
     S.append("The evidence is weak in these respects: " + "; ".join(weak) + ".")
     return " ".join(S)
@@ -682,7 +748,9 @@ def expectation_notes(st: dict) -> list[str]:
         parts, fails = [], []
         for r, txt in regimes:
             c = cells["E7M0"][r]; pl = c["progress_lost"]
-            failed = len(c["failed"]) == len(plan["seeds"]) or (pl.get("mean") is not None and pl["mean"] >= 1)
+            lm = c["loss"].get("mean")
+            failed = (len(c["failed"]) == len(plan["seeds"]) or (pl.get("mean") is not None and pl["mean"] >= 1)
+                      or (lm is not None and st.get("unigram") is not None and lm >= st["unigram"]))
             fails.append(failed)
             parts.append(f"{txt} {len(c['failed'])} of {len(plan['seeds'])} seeds stopped at a NaN, final loss {_pm(c['loss'])}, "
                          f"progress lost {_pm(pl, pct=True)}")
@@ -782,41 +850,69 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
               "the numbers below use the runs that are there.", ""]
     L += [st["answer"], "", "## The seeds' expectations", ""] + [f"- {x}" for x in st["expectations"]] + [""]
     L += ["## Results per format × rule", "",
-          f"Mean ± half-width of the 95% t-interval over {len(seeds)} seeds ({', '.join(map(str, seeds))}). **Benefit**: paired by seed, "
-          "L_nearest − L_rule (> 0: the rule lowers the loss; for FP32 master weights it is the whole master-weight gap). "
-          "**Effect size**: mean / SD of the paired differences. **Recovered**: (L_nearest − L_rule)/(L_nearest − L_fp32master) per seed, "
-          "then averaged (seeds without a positive gap left out). **Progress lost**: (L_run − L_ref)/(L_unigram − L_ref) against "
-          f"the BF16 reference of the same seed (unigram baseline {fmt_num(st['unigram'], '.4f')} nats/token).", "",
-          "| format | rule | lr × | final val loss | benefit vs nearest | effect size | recovered | progress lost | finished |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          f"Mean ± half-width of the 95% t-interval over {len(seeds)} seeds ({', '.join(map(str, seeds))}); losses in nats/token. "
+          "**Benefit**: paired by seed, L_nearest − L_rule (> 0: the rule lowers the loss; for FP32 master weights it is the whole "
+          "master-weight gap); `(n=k)`: only k seeds had both runs finished. **Effect size**: mean / SD of the paired differences "
+          f"(from 3 seeds on). **Without seed {st['lr_choice'].get('tuning_seed', seeds[0])}**: the mean benefit over the other seeds "
+          "only, the seeds that took no part in choosing the learning rates (a check for selection bias). **Recovered**: mean benefit / "
+          "mean master-weight gap over the seeds where all three finished, with Fieller's 95% interval; *gap not resolved* where the gap's "
+          "own interval includes zero (then there is no gap to recover, and no share is quoted). **Progress lost**: (L_run − L_ref)/"
+          f"(L_unigram − L_ref) against the BF16 reference of the same seed (unigram baseline {fmt_num(st['unigram'], '.4f')} nats/token; "
+          "the references run at the preset's learning rate, untuned, so a tuned cell can lose less than nothing). "
+          "**Finished**: the rule's runs that reached the last step; nearest's failures are given where there are any. "
+          "madam and lion land with stochastic rounding (see the protocol).", "",
+          f"| format | rule | lr × | final val loss | benefit vs nearest | effect size | without seed {st['lr_choice'].get('tuning_seed', seeds[0])} "
+          "| recovered | progress lost | finished |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for f in plan["formats"]:
         for r in plan["rules"]:
-            c = cells[f][r]; b = c.get("benefit"); rf = c.get("recovered")
-            L.append(f"| {f} | {r} | {mult_label(c['lr_mult'])} | {_pm(c['loss'])} | {_pm(b, '.4f') if b else 'control'} | "
-                     f"{fmt_num(b.get('effect_size'), '.2f') if b else '—'} | {_pm(rf, pct=True) if rf else '—'} | "
-                     f"{_pm(c['progress_lost'], pct=True)} | {c['loss']['n']}/{len(seeds)} |")
+            c = cells[f][r]; b = c.get("benefit"); rf = c.get("recovered"); bo = c.get("benefit_other_seeds") or {}
+            fin = f"{c['loss']['n']}/{len(seeds)}" + (f" (nearest failed {c['control_failed']})" if c.get("control_failed") else "")
+            L.append(f"| {f} | {r} | {mult_label(c['lr_mult'])} | {_pm(c['loss'])} | {_pm(b, '.4f', total=len(seeds)) if b else 'control'} | "
+                     f"{fmt_num(b.get('effect_size'), '.2f') if b else '—'} | {fmt_num(bo.get('mean'), '+.4f') if b else '—'} | "
+                     f"{_recovered_txt(rf) if rf else '—'} | {_pm(c['progress_lost'], pct=True)} | {fin} |")
     if plan.get("equal_formats"):
         L += ["", "Not rerun: " + "; ".join(f"{a} has the grid of {b} up to a power of two, so under scaling it trains identically "
                                              f"and is reported as equal to {b}" for a, b in plan["equal_formats"].items()) + "."]
+    contrast = [(q, SAME_LANDING[q]) for q in plan["rules"] if q in SAME_LANDING and SAME_LANDING[q] in plan["rules"]]
+    if contrast:
+        L += ["", "## The optimizer at the same landing", "",
+              "madam and lion land their updates with stochastic rounding, so their benefit over nearest contains stochastic rounding's. "
+              "Their difference to `stochastic` (AdamW + stochastic rounding), paired by seed, isolates the optimizer: L_stochastic − L_rule "
+              "(> 0: the optimizer beats AdamW at the same landing).", "",
+              "| format | " + " | ".join(f"{q} vs {a}" for q, a in contrast) + " |", "|---|" + "---|" * len(contrast)]
+        for f in plan["formats"]:
+            L.append(f"| {f} | " + " | ".join(_pm(cells[f][q].get("vs_same_landing"), '.4f', total=len(seeds)) for q, _ in contrast) + " |")
     L += ["", "## Ranking of formats by benefit", "",
           "Per rule, formats by mean benefit; `>` where neighbouring 95% intervals separate, `≈` where they overlap (not separable).", ""]
     for r, txt in st["ranking_text"].items():
         rows = st["ranking"][r]
-        L.append(f"- **{r}**: {txt}" + (" (" + ", ".join(f"{x['fmt']} {x['mean']:+.4f}" for x in rows) + ")" if rows else ""))
+        L.append(f"- **{r}**{' (the master-weight gap, not a grid rule)' if r == UPPER else ''}: {txt}"
+                 + (" (" + ", ".join(f"{x['fmt']} {x['mean']:+.4f}" for x in rows) + ")" if rows else ""))
     L += ["", "Best rule per format (by mean benefit; rules whose intervals overlap it in brackets): " +
           "; ".join(f"{f}: {x['rule']}" + (f" [≈ {', '.join(x['not_separable_from'])}]" if x["not_separable_from"] else "")
                     for f, x in st["best_rule"].items()) + "." if st["best_rule"] else "", ""]
     L += ["## The mechanism", "",
           "Per format, from its `nearest` runs (mean over seeds of each run's mean over steps; r = |u|/ulp: median over steps of the "
-          "median over layers): the median r, the predicted stall (share of non-zero updates with r < 1/2), the measured stall, "
-          "the fidelity ρ = ⟨Δw, u⟩/‖u‖² and the lost update 1 − ρ.", "",
-          "| format | median r | predicted stall | measured stall | fidelity ρ | lost update |", "|---|---|---|---|---|---|"]
+          "median over layers, layers unweighted): the median r, the predicted stall (share of non-zero updates with r < 1/2, "
+          f"weighted by element count), the same over the steps after the {inputs.get('model', {}).get('warmup_steps', '')} warmup steps only (during "
+          "warmup the learning rate is small and every grid stalls more), the measured stall, the fidelity ρ = ⟨Δw, u⟩/‖u‖² and "
+          "the lost update 1 − ρ. Under nearest, measured and predicted stall agree by construction (an update rounds back exactly "
+          "when it is under half a grid step): their agreement checks the simulator; it is not separate evidence.", "",
+          "| format | median r | predicted stall | after warmup | measured stall | fidelity ρ | lost update |", "|---|---|---|---|---|---|---|"]
     for f in plan["formats"]:
         m = st["mechanism"][f]
-        L.append(f"| {f} | {fmt_num(m.get('update_ratio'), '.3g')} | {fmt_num(m.get('pred_stall'), '.3f')} | {fmt_num(m.get('stall'), '.3f')} | "
-                 f"{fmt_num(m.get('rho'), '.3f')} | {fmt_num(m.get('lost_update'), '.3f')} |")
+        L.append(f"| {f} | {fmt_num(m.get('update_ratio'), '.3g')} | {fmt_num(m.get('pred_stall'), '.3f')} | {fmt_num(m.get('pred_stall_post'), '.3f')} | "
+                 f"{fmt_num(m.get('stall'), '.3f')} | {fmt_num(m.get('rho'), '.3f')} | {fmt_num(m.get('lost_update'), '.3f')} |")
+    L += ["", "What each regime let through: fidelity ρ (measured stall) from each regime's own runs, mean over seeds and steps. "
+          "ρ ≈ 1 means the weights moved by the intended update on average; nearest's ρ is the share it keeps.", "",
+          "| format | " + " | ".join(r for r in plan["rules"] if r != UPPER) + " |", "|---|" + "---|" * len([r for r in plan["rules"] if r != UPPER])]
+    for f in plan["formats"]:
+        L.append(f"| {f} | " + " | ".join(f"{fmt_num(cells[f][r]['mechanism'].get('rho'), '.3f')} ({fmt_num(cells[f][r]['mechanism'].get('stall'), '.2f')})"
+                                          for r in plan["rules"] if r != UPPER) + " |")
     L += ["", "Does the mechanism predict the ranking? Spearman rank correlation across formats between the mechanism under nearest "
-          "and each rule's mean benefit (two-sided permutation p-value):", "",
+          "and each rule's mean benefit (two-sided permutation p-value). The mechanism predicts ρ > 0 for predicted stall (the more "
+          "a format stalls, the more a rule that lets updates through helps) and ρ < 0 for median r.", "",
           "| rule | ρ (predicted stall) | ρ (median r) | n | p (predicted stall) | p (median r) |", "|---|---|---|---|---|---|"]
     for r, c in st["correlation"].items():
         a, b = c["pred_stall"], c["update_ratio"]
@@ -840,6 +936,12 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
         cell = lambda lab: ("—" if lab not in t else fmt_num(t[lab]["mean_loss"], ".4f") + (f" ({len(t[lab]['failed'])} failed)" if t[lab]["failed"] else ""))
         L.append(f"| {r} | " + " | ".join((f"**{cell(mult_label(m))}**" if mult_label(m) == ch else cell(mult_label(m))) for m in plan["lr_mults"])
                  + f" | {st['lr_choice']['lr_scale'][r]:g} |")
+    edge = st["lr_choice"].get("at_edge") or []
+    if edge: L += ["", f"At the edge of the grid (the best rate may lie beyond it): {', '.join(edge)}."]
+    differ = [r for r in plan["rules"] if r in GRID_RULES and st["lr_choice"]["mults"][r] != st["lr_choice"]["mults"].get(CONTROL)]
+    if differ: L += ["", f"Chosen at a different multiplier from nearest's (×{mult_label(st['lr_choice']['mults'][CONTROL])}): "
+                     + ", ".join(f"{r} ×{mult_label(st['lr_choice']['mults'][r])}" for r in differ)
+                     + ". Their benefit compares each at its own tuned rate, as the protocol intends; the mechanism numbers are nearest's at its rate."]
     cfg = inputs.get("model", {})
     near = next((runs[n] for n in (runs or {}) if runs[n] is not None and f"-{CONTROL}-" in n), None)
     bud = st["budget"]
@@ -849,7 +951,12 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
           f"{cfg.get('eval_interval')} steps on {cfg.get('eval_iters')} batches (the same batches for every run of a seed).",
           f"- **Seeds** {', '.join(map(str, seeds))}: the seed fixes initialisation, data order and validation batches, so cells of one seed are paired.",
           f"- **Formats** {', '.join(plan['formats'])}; **regimes** " + "; ".join(f"`{r}`: {', '.join(f'{k}={v}' for k, v in RULES[r].items())}" for r in plan["rules"]) + ".",
-          f"- **References** per seed: FP32 and BF16 autocast, nothing 8-bit, no shadow.",
+          *(["- **Landing of madam and lion**: stochastic rounding (`weight_update=stochastic`; E7M0's integer-exponent Madam rounds its "
+          "exponent step stochastically too). Issue 9's matrix (`outputs/rules/`) ran them landing round-to-nearest: Madam froze every "
+          "8-bit layer (stall 1.000 from E3M4 to E7M0) and Lion did worse than AdamW with nearest, so that control would only repeat "
+          "the stall. Their benefit over nearest therefore includes stochastic rounding's; *The optimizer at the same landing* separates the two."]
+            if {"madam", "lion"} & set(plan["rules"]) else []),
+          f"- **References** per seed: FP32 and BF16 autocast, nothing 8-bit, no shadow, at the preset's learning rate (×1, not tuned).",
           f"- **Learning rates**: multipliers {', '.join('×' + mult_label(m) for m in plan['lr_mults'])} of each rule's default "
           f"(lr_scale = multiplier × the optimizer's default: adamw 1, madam {default_lr_scale('madam'):g}, lion {default_lr_scale('lion'):g}; "
           f"peak lr = {cfg.get('lr')} × lr_scale) swept at seed {seeds[0]} on {', '.join(plan['lr_formats'])}; per rule the multiplier "
@@ -863,7 +970,8 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
           f"{', '.join(st['devices']) or '?'}" + (f" (estimated beforehand from the measured cpu step times: {inputs['estimate_seconds'] / 3600:.2f} h)"
                                                    if inputs.get("estimate_seconds") else "")
           + (f"; overrides: {', '.join(f'{k}={v}' for k, v in plan['overrides'].items())}" if plan["overrides"] else "") + ".",
-          "- **What is 8-bit**: " + (precision_note(near) if near is not None else "see the runs' config.yaml (no nearest run loaded).")]
+          "- **What is 8-bit** (as in a `nearest` run; the other regimes differ only in `master_weights`, `weight_update` and "
+          "`optimizer`, as listed above): " + (precision_note(near) if near is not None else "see the runs' config.yaml (no nearest run loaded).")]
     L += ["", "## Threats to validity", "",
           f"- **Scale**: a {fmt_num(inputs.get('num_params'), ',')}-parameter model ({_model_text(cfg)}); the size of updates relative "
           "to the grid (r) depends on the learning rate, the schedule and the weights' scale, so a larger model can stall differently.",
@@ -872,9 +980,14 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
           f"- **CPU vs GPU**: the 8-bit formats are simulated bit-exactly in FP32 on {', '.join(st['devices']) or '?'}; on CUDA the "
           "high-precision parts run under BF16 autocast instead, which changes the reference and the non-8-bit arithmetic.",
           f"- **Statistics**: {len(seeds)} seeds give wide t-intervals; the final loss is measured on {cfg.get('eval_iters')} validation "
-          "batches (paired within a seed, so the benefit is less noisy than the losses).",
-          f"- **Learning rates**: tuned on a coarse grid at one seed" + (f" and on {', '.join(plan['lr_formats'])} only" if plan["lr_formats"] != plan["formats"] else "")
-          + "; a format whose best rate lies elsewhere is handicapped equally under every rule it is compared across.",
+          f"batches of {cfg.get('batch_size')} × {cfg.get('block_size')} tokens (the same batches for every run of a seed, so the paired "
+          "benefit is much less noisy than the losses). Intervals are per cell; with many cells, a few will exclude zero by chance.",
+          f"- **Learning rates**: one multiplier per regime, tuned on a coarse grid at seed {seeds[0]}"
+          + (f" on {', '.join(plan['lr_formats'])} only; the other formats run at those rates, which may not be their best, and that can "
+             "favour or handicap a rule differently from its control" if plan["lr_formats"] != plan["formats"] else "")
+          + (f". Seed {seeds[0]}'s runs at the chosen rates are reused in the statistics, although they took part in choosing them "
+             "(a small selection bias of unknown sign; the *without seed* column shows each benefit without them)." if len(plan["lr_mults"]) > 1 else "."),
+          "- **Mechanism averages** are over all steps, warmup included; the after-warmup column shows how much warmup weighs in them.",
           "- **Failed runs** are left out, not scored: a rule that fails on some seeds is judged on the others (the tables show how many finished)."]
     L += ["", "## Regenerate", "", "Train (or reuse) every run and write this folder:", "", "```", inputs["command"], "```", "",
           "Rewrite `answer.md`, `study.json` and the figures from the committed run folders alone (no data, no training):", "",
