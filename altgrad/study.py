@@ -989,7 +989,10 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
              "(a small selection bias of unknown sign; the *without seed* column shows each benefit without them)." if len(plan["lr_mults"]) > 1 else "."),
           "- **Mechanism averages** are over all steps, warmup included; the after-warmup column shows how much warmup weighs in them.",
           "- **Failed runs** are left out, not scored: a rule that fails on some seeds is judged on the others (the tables show how many finished)."]
-    L += ["", "## Regenerate", "", "Train (or reuse) every run and write this folder:", "", "```", inputs["command"], "```", "",
+    L += ["", "## Regenerate", "", "Train (or reuse) every run and write this folder (a finished run is reused only when its resolved config "
+          "matches; `--shard i/n` on n processes or machines, then `--collect`, splits the work):", "", "```", inputs["command"], "```", "",
+          "CPU matmuls round differently with a different thread count (`OMP_NUM_THREADS`), so a *retrained* run matches a committed one "
+          "only to within that rounding noise; the exact regeneration is the report from the committed runs.", "",
           "Rewrite `answer.md`, `study.json` and the figures from the committed run folders alone (no data, no training):", "",
           "```", f"altgrad-study --out {inputs['out']} --report-only", "```", ""]
     (out / "answer.md").write_text("\n".join(L))
