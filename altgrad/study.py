@@ -333,8 +333,10 @@ class RunSpec:
     rule: str | None = None
     lr_mult: float | None = None
 
-def reference_spec(seed: int, precision: str) -> RunSpec:
-    return RunSpec(f"ref-{precision}-s{seed}", "lr", seed, None, precision, None)
+def reference_spec(seed: int, precision: str, mult: float = 1.0, phase: str = "lr") -> RunSpec:
+    "A high-precision reference (`ref-<precision>-s<seed>` at ×1, `ref-<precision>-x<mult>-s<seed>` otherwise)."
+    tag = "" if mult == 1.0 else f"-x{mult_label(mult)}"
+    return RunSpec(f"ref-{precision}{tag}-s{seed}", phase, seed, None, precision, mult)
 
 def format_spec(fmt: str, rule: str, seed: int, mult: float, phase: str = "seeds") -> RunSpec:
     return RunSpec(f"{fmt}-{rule}-x{mult_label(mult)}-s{seed}", phase, seed, fmt, rule, mult)
@@ -345,9 +347,11 @@ def lr_specs(plan: StudyPlan) -> list[RunSpec]:
     return refs + [format_spec(f, r, plan.seeds[0], m, "lr") for f in plan.lr_formats for r in plan.rules for m in plan.lr_mults]
 
 def seed_specs(plan: StudyPlan, mults: dict) -> list[RunSpec]:
-    "Phase 'seeds': every seed × format × rule at the rule's chosen multiplier (`mults`), less the runs phase 'lr' holds."
+    """Phase 'seeds': both references of every seed at FP32 master weights' chosen multiplier, then every seed × format ×
+    rule at the rule's chosen multiplier (`mults`), less the runs phase 'lr' holds."""
     have = {s.name for s in lr_specs(plan)}
-    out = [format_spec(f, r, s, mults[r]) for s in plan.seeds for f in plan.formats for r in plan.rules]
+    out = [reference_spec(s, p, mults[UPPER], "seeds") for s in plan.seeds for p in REF_PRECISIONS]
+    out += [format_spec(f, r, s, mults[r]) for s in plan.seeds for f in plan.formats for r in plan.rules]
     return [s for s in out if s.name not in have]
 
 def cell_specs(plan: StudyPlan, mults: dict, fmt: str, rule: str) -> list[RunSpec]:
@@ -384,7 +388,8 @@ def spec_config(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: 
     common = dict(max_steps=plan.steps, seed=spec.seed, data_dir=str(data_dir), out_dir=_portable(run_dir(out, spec.name)),
                   wandb_mode=wandb_mode, checkpoint_interval=plan.steps, rules=[], interventions=False, stop_on_nan=True,
                   **plan.overrides)
-    if spec.fmt is None: return load_config(plan.preset, fmt=None, shadow=False, precision=spec.rule, **common)
+    if spec.fmt is None:
+        return load_config(plan.preset, fmt=None, shadow=False, precision=spec.rule, lr_scale=lr_scale_for(UPPER, spec.lr_mult or 1.0), **common)
     return load_config(plan.preset, fmt=spec.fmt, shadow=plan.shadow, lr_scale=lr_scale_for(spec.rule, spec.lr_mult),
                        **RULES[spec.rule], **common)
 
@@ -551,8 +556,9 @@ def analyze(plan: StudyPlan, runs: dict, choice: dict, unigram: float | None, co
     specs = lr_specs(plan) + seed_specs(plan, mults)
     recs = {sp.name: run_record(sp, runs.get(sp.name)) for sp in specs}
     loss = lambda n: recs[n].get("final_val_loss")
-    refs = {p: {s: loss(reference_spec(s, p).name) for s in plan.seeds} for p in REF_PRECISIONS}
-    ref_runs = {p: [f"runs/{reference_spec(s, p).name}" for s in plan.seeds] for p in REF_PRECISIONS}
+    refs = {p: {s: loss(reference_spec(s, p, mults[UPPER]).name) for s in plan.seeds} for p in REF_PRECISIONS}
+    ref_runs = {p: [f"runs/{reference_spec(s, p, mults[UPPER]).name}" for s in plan.seeds] for p in REF_PRECISIONS}
+    refs_x1 = {p: {s: loss(reference_spec(s, p).name) for s in plan.seeds} for p in REF_PRECISIONS}
     cell_loss = lambda f, r: {sp.seed: loss(sp.name) for sp in cell_specs(plan, mults, f, r)}
     cells, mech = {}, {}
     for f in plan.formats:
@@ -605,7 +611,8 @@ def analyze(plan: StudyPlan, runs: dict, choice: dict, unigram: float | None, co
         lr_choice=dict(mults={r: mults[r] for r in plan.rules}, lr_scale={r: lr_scale_for(r, mults[r]) for r in plan.rules},
                        table=choice.get("table", {}), tuning_seed=tune_seed,
                        at_edge=[r for r in plan.rules if len(plan.lr_mults) > 1 and mults[r] in (min(plan.lr_mults), max(plan.lr_mults))]),
-        references={p: dict(losses=refs[p], loss=mean_ci(refs[p].values(), conf), runs=ref_runs[p]) for p in REF_PRECISIONS},
+        references={p: dict(losses=refs[p], loss=mean_ci(refs[p].values(), conf), runs=ref_runs[p], lr_mult=mults[UPPER],
+                            untuned=dict(losses=refs_x1[p], loss=mean_ci(refs_x1[p].values(), conf))) for p in REF_PRECISIONS},
         cells=cells, mechanism=mech, ranking=ranking, ranking_text={r: ranking_text(v) for r, v in ranking.items()},
         correlation=corr, headline=headline, best_rule=best_rule, devices=devices,
         budget=dict(seconds=seconds, total_seconds=seconds["lr"] + seconds["seeds"], runs=len(recs) - len(missing)),
@@ -854,11 +861,12 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
           "**Benefit**: paired by seed, L_nearest − L_rule (> 0: the rule lowers the loss; for FP32 master weights it is the whole "
           "master-weight gap); `(n=k)`: only k seeds had both runs finished. **Effect size**: mean / SD of the paired differences "
           f"(from 3 seeds on). **Without seed {st['lr_choice'].get('tuning_seed', seeds[0])}**: the mean benefit over the other seeds "
-          "only, the seeds that took no part in choosing the learning rates (a check for selection bias). **Recovered**: mean benefit / "
+          f"only: on {', '.join(plan['lr_formats'])} that seed's runs also chose the learning rates, so this column is the check for "
+          "selection bias there. **Recovered**: mean benefit / "
           "mean master-weight gap over the seeds where all three finished, with Fieller's 95% interval; *gap not resolved* where the gap's "
           "own interval includes zero (then there is no gap to recover, and no share is quoted). **Progress lost**: (L_run − L_ref)/"
           f"(L_unigram − L_ref) against the BF16 reference of the same seed (unigram baseline {fmt_num(st['unigram'], '.4f')} nats/token; "
-          "the references run at the preset's learning rate, untuned, so a tuned cell can lose less than nothing). "
+          "the references run at FP32 master weights' tuned rate; where L_unigram − L_ref is small this ratio is ill-conditioned). "
           "**Finished**: the rule's runs that reached the last step; nearest's failures are given where there are any. "
           "madam and lion land with stochastic rounding (see the protocol).", "",
           f"| format | rule | lr × | final val loss | benefit vs nearest | effect size | without seed {st['lr_choice'].get('tuning_seed', seeds[0])} "
@@ -923,10 +931,19 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
           f"![lr sweep]({figs['lr_sweep']})", "",
           f"Final validation loss at seed {seeds[0]} against the learning-rate multiplier of each rule, one line per swept format "
           "(dashed: the multiplier chosen for all seeds). Where a format's loss turns up as the rate drops, updates start to stall.", ""]
-    L += ["## References", "", "| seed | FP32 | BF16 autocast |", "|---|---|---|"]
-    for s in seeds:
+    rm = st["lr_choice"]["mults"][UPPER]
+    L += ["## References", "", f"High-precision runs (nothing 8-bit) at FP32 master weights' multiplier ×{mult_label(rm)}"
+          + (", and at the preset's rate ×1 (untuned, from the LR phase)" if rm != 1.0 else "") + "; final validation loss.", ""]
+    if rm != 1.0:
+        L += ["| seed | FP32 | BF16 autocast | FP32 ×1 | BF16 ×1 |", "|---|---|---|---|---|"]
+        R, U = st["references"], {p: st["references"][p].get("untuned", {}) for p in REF_PRECISIONS}
+        for s in seeds:
+            L.append(f"| {s} | " + " | ".join(fmt_num(d.get("losses", {}).get(str(s)), ".4f") for d in (R["fp32"], R["bf16"], U["fp32"], U["bf16"])) + " |")
+        L.append("| mean | " + " | ".join(_pm(d.get("loss")) for d in (R["fp32"], R["bf16"], U["fp32"], U["bf16"])) + " |")
+    else: L += ["| seed | FP32 | BF16 autocast |", "|---|---|---|"]
+    for s in (seeds if rm == 1.0 else []):
         L.append(f"| {s} | {fmt_num(st['references']['fp32']['losses'].get(str(s)), '.4f')} | {fmt_num(st['references']['bf16']['losses'].get(str(s)), '.4f')} |")
-    L.append(f"| mean | {_pm(st['references']['fp32']['loss'])} | {_pm(st['references']['bf16']['loss'])} |")
+    if rm == 1.0: L.append(f"| mean | {_pm(st['references']['fp32']['loss'])} | {_pm(st['references']['bf16']['loss'])} |")
     L += ["", "## Learning-rate sweep", "", f"Mean final validation loss at seed {seeds[0]} over {', '.join(plan['lr_formats'])} "
           "(failed runs counted apart); chosen multiplier in bold.", "",
           "| rule | " + " | ".join(f"×{mult_label(m)}" for m in plan["lr_mults"]) + " | chosen lr_scale |",
@@ -956,7 +973,8 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
           "8-bit layer (stall 1.000 from E3M4 to E7M0) and Lion did worse than AdamW with nearest, so that control would only repeat "
           "the stall. Their benefit over nearest therefore includes stochastic rounding's; *The optimizer at the same landing* separates the two."]
             if {"madam", "lion"} & set(plan["rules"]) else []),
-          f"- **References** per seed: FP32 and BF16 autocast, nothing 8-bit, no shadow, at the preset's learning rate (×1, not tuned).",
+          f"- **References** per seed: FP32 and BF16 autocast, nothing 8-bit, no shadow, at the multiplier chosen for FP32 master weights "
+          f"(×{mult_label(st['lr_choice']['mults'][UPPER])}: the same optimizer; progress lost is measured against these).",
           f"- **Learning rates**: multipliers {', '.join('×' + mult_label(m) for m in plan['lr_mults'])} of each rule's default "
           f"(lr_scale = multiplier × the optimizer's default: adamw 1, madam {default_lr_scale('madam'):g}, lion {default_lr_scale('lion'):g}; "
           f"peak lr = {cfg.get('lr')} × lr_scale) swept at seed {seeds[0]} on {', '.join(plan['lr_formats'])}; per rule the multiplier "
