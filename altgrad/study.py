@@ -115,11 +115,12 @@ def ratio_ci(num, den, conf: float = 0.95, use_scipy: bool | None = None) -> dic
 def recovered_fraction(nearest: dict, treated: dict, upper: dict, conf: float = 0.95, use_scipy: bool | None = None) -> dict:
     """Share of the master-weight gap a rule closes over the seeds where all three finished: R = mean benefit / mean gap
     (benefit L_near − L_rule, gap L_near − L_fp32) with Fieller's interval (`ratio_ci`); `resolved`: the gap's interval
-    excludes 0 (else no interval); `gap`: its mean_ci; `per_seed`: the ratios d_s/g_s, for reference only."""
+    lies above 0 (a gap resolved *negative*, nearest beating FP32 master weights, leaves nothing to recover); `gap`: its
+    mean_ci; `per_seed`: the ratios d_s/g_s, for reference only."""
     seeds = _paired_seeds(nearest, treated, upper)
     d = [nearest[s] - treated[s] for s in seeds]; g = [nearest[s] - upper[s] for s in seeds]
     r = ratio_ci(d, g, conf, use_scipy)
-    r.update(resolved=r["bounded"], gap=mean_ci(g, conf, use_scipy), seeds=seeds,
+    r.update(resolved=r["bounded"] and r["mean"] is not None and math.fsum(g) > 0, gap=mean_ci(g, conf, use_scipy), seeds=seeds,
              per_seed={str(s): (x / y if y else None) for s, x, y in zip(seeds, d, g)})
     return r
 
@@ -650,7 +651,9 @@ def _pm(c: dict | None, spec: str = ".4f", pct: bool = False, total: int | None 
 def _recovered_txt(rf: dict | None) -> str:
     "`79% [60% to 95%]` (Fieller), 'gap not resolved', or an em dash."
     if not rf or rf.get("mean") is None: return "—"
-    return f"{rf['mean']:.0%} [{rf['lo']:.0%} to {rf['hi']:.0%}]" if rf.get("resolved") else "gap not resolved"
+    if rf.get("resolved"): return f"{rf['mean']:.0%} [{rf['lo']:.0%} to {rf['hi']:.0%}]"
+    g = rf.get("gap") or {}
+    return "no gap: nearest beats FP32 masters" if g.get("hi") is not None and g["hi"] < 0 else "gap not resolved"
 
 def _ci(c: dict, spec: str = ".3f", pct: bool = False) -> str:
     f = (lambda v: f"{v:.0%}") if pct else (lambda v: format(v, spec))
@@ -713,6 +716,12 @@ def answer_paragraph(st: dict) -> str:
         if h["not_separable_from"]:
             S.append(f"It is not separable from {len(h['not_separable_from'])} other format × rule pair"
                      f"{'s' * (len(h['not_separable_from']) != 1)} ({_join(h['not_separable_from'], 5)}; overlapping intervals).")
+    pairs = [(g, q, st["cells"][g][q]["benefit"]) for g in plan["formats"] for q in grid_rules]
+    up = [f"{g}+{q}" for g, q, x in pairs if _interval_verdict(x) == "above"]
+    down = [f"{g}+{q}" for g, q, x in pairs if _interval_verdict(x) == "below"]
+    S.append(f"Of the {len(pairs)} format × rule benefits, {len(up)} {'is' if len(up) == 1 else 'are'} resolved above zero"
+             + (f" ({_join(up, 6)})" if up else "") + f" and {len(down)} below zero, i.e. the rule is worse than nearest"
+             + (f" ({_join(down, 6)})" if down else "") + ".")
     c = st["correlation"].get(r, {}).get("pred_stall", {})
     ctext, supports = _corr_text(c, _rule(r))
     if m.get("pred_stall") is not None:
@@ -960,6 +969,9 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
                      + ", ".join(f"{r} ×{mult_label(st['lr_choice']['mults'][r])}" for r in differ)
                      + ". Their benefit compares each at its own tuned rate, as the protocol intends; the mechanism numbers are nearest's at its rate."]
     cfg = inputs.get("model", {})
+    sds = lambda key: [c[key]["sd"] for f in plan["formats"] for r, c in cells[f].items() if c.get(key) and c[key].get("sd") is not None]
+    sd_pair = float(np.median(sds("benefit"))) if sds("benefit") else None
+    sd_loss = float(np.median(sds("loss"))) if sds("loss") else None
     near = next((runs[n] for n in (runs or {}) if runs[n] is not None and f"-{CONTROL}-" in n), None)
     bud = st["budget"]
     L += ["", "## Protocol", "",
@@ -998,8 +1010,10 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
           f"- **CPU vs GPU**: the 8-bit formats are simulated bit-exactly in FP32 on {', '.join(st['devices']) or '?'}; on CUDA the "
           "high-precision parts run under BF16 autocast instead, which changes the reference and the non-8-bit arithmetic.",
           f"- **Statistics**: {len(seeds)} seeds give wide t-intervals; the final loss is measured on {cfg.get('eval_iters')} validation "
-          f"batches of {cfg.get('batch_size')} × {cfg.get('block_size')} tokens (the same batches for every run of a seed, so the paired "
-          "benefit is much less noisy than the losses). Intervals are per cell; with many cells, a few will exclude zero by chance.",
+          f"batches of {cfg.get('batch_size')} × {cfg.get('block_size')} tokens, the same batches for every run of a seed, so evaluation "
+          "noise cancels in the paired benefit; run-to-run training noise does not"
+          + (f" (median SD over seeds: {sd_pair:.3f} nats for the paired benefits against {sd_loss:.3f} for the losses)" if sd_pair is not None and sd_loss is not None else "")
+          + ". Intervals are per cell; with many cells, a few will exclude zero by chance.",
           f"- **Learning rates**: one multiplier per regime, tuned on a coarse grid at seed {seeds[0]}"
           + (f" on {', '.join(plan['lr_formats'])} only; the other formats run at those rates, which may not be their best, and that can "
              "favour or handicap a rule differently from its control" if plan["lr_formats"] != plan["formats"] else "")
