@@ -740,6 +740,17 @@ def answer_paragraph(st: dict) -> str:
             mech += f" The stall mechanism does not single {f} out: fewer than half of its updates stall under nearest."
         S.append(mech)
     S.append(ctext)
+    vs = st["cells"][f][r].get("vs_same_landing") if b["mean"] > 0 else None
+    if vs and vs.get("mean") is not None:
+        v = _interval_verdict(vs)
+        S.append(f"{_rule(r)} lands like stochastic rounding, so its edge over AdamW with the same landing, {vs['mean']:+.3f} nats ({_ci(vs)}), "
+                 + ("is resolved: that part is the optimizer's, not the landing's (and the optimizer also trains the FP32 parts of the "
+                    "model, the embedding)." if v == "above" else "is not resolved, so the optimizer "
+                    "and the landing cannot be told apart."))
+    gaps = [st["cells"][g][UPPER]["benefit"] for g in plan["formats"] if UPPER in st["cells"][g]]
+    gu, gd = sum(_interval_verdict(x) == "above" for x in gaps), sum(_interval_verdict(x) == "below" for x in gaps)
+    S.append(f"The master-weight gap itself (FP32 master weights against nearest) is resolved above zero on {gu} of {len(gaps)} formats"
+             + (f" and below zero (nearest better) on {gd}" if gd else "") + (", so there is little for a grid rule to recover." if gu == 0 else "."))
     cells = [st["cells"][g][q]["benefit"] for g in plan["formats"] for q in grid_rules]
     zero = [x for x in cells if _interval_verdict(x) in (None, "zero")]
     if zero: weak.append(f"{len(zero)} of {len(cells)} format × rule benefits have intervals that include zero or have none")
@@ -939,7 +950,8 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
           "i.e. the whole gap). Right: the predicted stall of each format under nearest (labels: median r).", "",
           f"![lr sweep]({figs['lr_sweep']})", "",
           f"Final validation loss at seed {seeds[0]} against the learning-rate multiplier of each rule, one line per swept format "
-          "(dashed: the multiplier chosen for all seeds). Where a format's loss turns up as the rate drops, updates start to stall.", ""]
+          "(dashed: the multiplier chosen for all seeds). The rise at low rates is under-training in every regime, FP32 master weights "
+          "included; the stall shows as the distance between nearest and FP32 master weights at the same rate.", ""]
     rm = st["lr_choice"]["mults"][UPPER]
     L += ["## References", "", f"High-precision runs (nothing 8-bit) at FP32 master weights' multiplier ×{mult_label(rm)}"
           + (", and at the preset's rate ×1 (untuned, from the LR phase)" if rm != 1.0 else "") + "; final validation loss.", ""]
@@ -975,7 +987,10 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
     near = next((runs[n] for n in (runs or {}) if runs[n] is not None and f"-{CONTROL}-" in n), None)
     bud = st["budget"]
     L += ["", "## Protocol", "",
-          f"- **Preset** `{plan['preset']}` ({_model_text(cfg)}; {fmt_num(inputs.get('num_params'), ',')} parameters), "
+          f"- **Preset** `{plan['preset']}` ({_model_text(cfg)}; {fmt_num(inputs.get('num_params'), ',')} parameters with the position embedding"
+          + (f", of which {inputs['grid_params']:,} ({inputs['grid_params'] / inputs['num_params']:.0%}), the blocks' Linear weights, live on the "
+             "8-bit grid; the tied token embedding, most of the rest, is FP32 and trained by the same optimizer" if inputs.get("grid_params") else "")
+          + "), "
           f"**{plan['steps']} steps** per run (warmup {cfg.get('warmup_steps')}, cosine decay to min_lr), evaluation every "
           f"{cfg.get('eval_interval')} steps on {cfg.get('eval_iters')} batches (the same batches for every run of a seed).",
           f"- **Seeds** {', '.join(map(str, seeds))}: the seed fixes initialisation, data order and validation batches, so cells of one seed are paired.",
@@ -991,7 +1006,8 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
           f"(lr_scale = multiplier × the optimizer's default: adamw 1, madam {default_lr_scale('madam'):g}, lion {default_lr_scale('lion'):g}; "
           f"peak lr = {cfg.get('lr')} × lr_scale) swept at seed {seeds[0]} on {', '.join(plan['lr_formats'])}; per rule the multiplier "
           "with the fewest failed formats, then the lowest mean final loss, was used at every seed: "
-          + ", ".join(f"{r} ×{mult_label(m)}" for r, m in st["lr_choice"]["mults"].items()) + ". The control is tuned like every rule.",
+          + ", ".join(f"{r} ×{mult_label(m)}" for r, m in st["lr_choice"]["mults"].items()) + ". The control is swept like every rule" + (" (but every choice sits at an edge of the grid, so none is bracketed)."
+                                                   if set(st["lr_choice"].get("at_edge") or []) >= set(plan["rules"]) else "."),
           f"- **FP32 shadow** {'on' if plan['shadow'] else 'off'}" + ("" if plan["shadow"] else " (the shadow only measures gradient cosines; the loss and "
                                                                       "the update mechanism do not need it, and it would cost about a third more time)") + ".",
           f"- **NaN policy**: a run stops at its first non-finite loss and counts as failed (left out of means, listed).",
@@ -1006,7 +1022,10 @@ def write_answer(out, st: dict, inputs: dict, runs: dict | None = None) -> Path:
           f"- **Scale**: a {fmt_num(inputs.get('num_params'), ',')}-parameter model ({_model_text(cfg)}); the size of updates relative "
           "to the grid (r) depends on the learning rate, the schedule and the weights' scale, so a larger model can stall differently.",
           f"- **Steps**: {plan['steps']} steps ({fmt_num(inputs.get('tokens'), ',')} tokens); rules that accumulate small updates "
-          "(Kahan, stochastic rounding) pay off over long horizons, and the ranking may change with longer training.",
+          "(Kahan, stochastic rounding) pay off over long horizons, and the ranking may change with longer training"
+          + (f". The references end only {st['unigram'] - st['references']['bf16']['loss']['mean']:.2f} nats below the unigram baseline "
+             f"({st['unigram']:.3f}): the models have barely begun to learn, so progress lost is ill-conditioned" if st.get("unigram") is not None
+             and st["references"]["bf16"]["loss"].get("mean") is not None and st["unigram"] - st["references"]["bf16"]["loss"]["mean"] < 1.0 else "") + ".",
           f"- **CPU vs GPU**: the 8-bit formats are simulated bit-exactly in FP32 on {', '.join(st['devices']) or '?'}; on CUDA the "
           "high-precision parts run under BF16 autocast instead, which changes the reference and the non-8-bit arithmetic.",
           f"- **Statistics**: {len(seeds)} seeds give wide t-intervals; the final loss is measured on {cfg.get('eval_iters')} validation "
@@ -1042,9 +1061,11 @@ def _model_inputs(plan: StudyPlan) -> dict:
         m = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                           n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias))
     n = sum(p.numel() for p in m.parameters())
+    # the weights that live on the 8-bit grid: the Linear layers of the blocks (the tied embedding / LM head stays FP32)
+    grid = sum(mod.weight.numel() for name, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) and name.startswith("transformer.h."))
     keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "lr", "min_lr", "warmup_steps", "eval_interval", "eval_iters")
     # the study runs every run in one process (never under torchrun), so one process's tokens per step is the whole step
-    return dict(model={k: getattr(cfg, k) for k in keys}, num_params=n, tokens=plan.steps * cfg.tokens_per_step)
+    return dict(model={k: getattr(cfg, k) for k in keys}, num_params=n, grid_params=grid, tokens=plan.steps * cfg.tokens_per_step)
 
 def report_study(out, log=print, runs: dict | None = None) -> Path:
     """Rewrite `answer.md`, `study.json` and the figures of the study in `out` from its run folders and `study_inputs.json`
@@ -1053,6 +1074,7 @@ def report_study(out, log=print, runs: dict | None = None) -> Path:
     try: inputs = json.loads((out / INPUTS_FILE).read_text())
     except (OSError, ValueError) as e: raise FileNotFoundError(f"{out / INPUTS_FILE} is missing or unreadable ({e}): is {out} a study folder?") from None
     plan = StudyPlan.from_dict(inputs["plan"])
+    inputs = {**_model_inputs(plan), **inputs}          # numbers added to the inputs since the folder was written
     def load(specs):
         for sp in specs:
             if sp.name in cache: runs[sp.name] = cache[sp.name]; continue
