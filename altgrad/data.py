@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_data.ipynb #a9238504
 from __future__ import annotations
-import argparse, hashlib, itertools, json, os, re, sys, time
+import argparse, contextlib, hashlib, itertools, json, os, re, sys, time
 from pathlib import Path
 from typing import Callable, Iterator
 import numpy as np
@@ -196,6 +196,22 @@ def prepare_eurlex(out_dir: str | Path, source: str | Path | None = None, max_do
     out, src = Path(out_dir), resolve_source(source)
     want = {"version": META_VERSION, "source": str(src), "max_docs": max_docs}
     if not force and (meta := _prepared(out, want, verify)): return {**meta, "cached": True}
+    out.mkdir(parents=True, exist_ok=True)
+    with _folder_lock(out):     # processes sharing the folder (study shards): one tokenizes, the others wait and reuse it
+        if not force and (meta := _prepared(out, want, verify)): return {**meta, "cached": True}
+        return _tokenize_into(out, src, want, max_docs, num_threads, progress)
+
+@contextlib.contextmanager
+def _folder_lock(out: Path):
+    "An exclusive advisory lock on `out/.prepare.lock` (fcntl; a no-op where fcntl does not exist)."
+    try: import fcntl
+    except ImportError: yield; return
+    with open(out / ".prepare.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try: yield
+        finally: fcntl.flock(f, fcntl.LOCK_UN)
+
+def _tokenize_into(out: Path, src, want: dict, max_docs: int | None, num_threads: int | None, progress: bool) -> dict:
     plan = local_plan(src) if isinstance(src, Path) else hub_plan(src)
     enc, t0 = get_tokenizer(near=src if isinstance(src, Path) else None), time.perf_counter()
     num_threads = num_threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)

@@ -150,3 +150,17 @@ def test_offline_wandb_has_every_step(offline_run):
             assert k in h, (rec["step"], k)
             if isinstance(v, float) and math.isfinite(v): assert h[k] == pytest.approx(v, rel=1e-12, abs=0), k
             else: assert h[k] == v, k
+
+
+def test_concurrent_prepare_shares_one_folder(tmp_path):
+    "Two processes preparing one data folder at once (study shards sharing an --out): one tokenizes, the other waits and reuses it."
+    src, out = _shared() / "eurlex", tmp_path / "eurlex"
+    code = ("import sys; from altgrad.data import prepare_eurlex; "
+            "m = prepare_eurlex(sys.argv[1], source=sys.argv[2], max_docs=400, progress=False); print('cached', m['cached'])")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(out), str(src)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    res = [(*p.communicate(timeout=300), p.returncode) for p in procs]
+    assert all(rc == 0 for _, _, rc in res), [err[-2000:] for _, err, _ in res]
+    assert sorted(o.split()[-1] for o, _, _ in res) == ["False", "True"]      # exactly one of them tokenized
+    from altgrad.data import load_meta
+    assert load_meta(out)["max_docs"] == 400
