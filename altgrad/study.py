@@ -16,7 +16,7 @@ from .formats import get_format, grid_equivalent, FORMAT_REGISTRY
 from .optim import default_lr_scale
 from .report import load_run, progress_lost, run_finished, fmt_num, precision_note
 from .tracking import compact_metrics, metrics_file, METRICS_COMPACT, METRICS_JSONL
-from .sweep import check_run, ensure_data, resolve_preset
+from .sweep import _portable, check_run, ensure_data, resolve_preset
 
 # %% auto #0
 __all__ = ['T975', 'DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'RULES', 'RULE_NAMES', 'CONTROL', 'UPPER', 'GRID_RULES', 'REF_PRECISIONS',
@@ -378,11 +378,6 @@ def trivial_choice(plan: StudyPlan) -> dict | None:
 
 # %% ../nbs/32_study.ipynb #63a6befc
 def run_dir(out, name: str) -> Path: return Path(out) / "runs" / name
-
-def _portable(path) -> str:
-    "`path` relative to the working directory when inside it (run folders then hold no machine paths)."
-    p, cwd = Path(path).resolve(), Path.cwd().resolve()
-    return str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p)
 
 def spec_config(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: str = "disabled"):
     "The `TrainConfig` of one run of the study."
