@@ -10,8 +10,8 @@ import torch
 from .formats import FORMAT_REGISTRY, quantize
 
 # %% auto #0
-__all__ = ['COMPILE_PROBE', 'RULE_VARIANTS', 'DEFAULT_RULES', 'RULE_TARGETS', 'time_side_by_side', 'bench_quantize',
-           'interleave_steps', 'bench_rules', 'main']
+__all__ = ['COMPILE_PROBE', 'DEFAULT_RULES', 'RULE_TARGETS', 'time_side_by_side', 'bench_quantize', 'interleave_steps',
+           'bench_rules', 'unmet_goals', 'main']
 
 # %% ../nbs/03_bench.ipynb #ce63491f
 def time_side_by_side(fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 1,
@@ -64,17 +64,8 @@ def bench_quantize(numel: int = 16 * 2**20, formats=None, roundings=("nearest", 
 COMPILE_PROBE = 1 << 16
 
 # %% ../nbs/03_bench.ipynb #14c5f372
-RULE_VARIANTS = {
-    "nearest": dict(weight_update="nearest", optimizer="adamw"),
-    "stochastic": dict(weight_update="stochastic", optimizer="adamw"),
-    "kahan": dict(weight_update="kahan", optimizer="adamw"),
-    "madam": dict(weight_update="nearest", optimizer="madam"),
-    "lion": dict(weight_update="nearest", optimizer="lion"),
-    "kahan_bf16": dict(weight_update="kahan", optimizer="adamw", residual_dtype="bf16"),
-    "kahan_format": dict(weight_update="kahan", optimizer="adamw", residual_dtype="format"),
-}
-DEFAULT_RULES = ("nearest", "stochastic", "kahan", "madam", "lion")
-RULE_TARGETS = {"stochastic": 1.05, "kahan": 1.05, "madam": 1.05}   # step time / nearest's, cpu preset
+DEFAULT_RULES = ("nearest", "stochastic", "kahan", "madam_nearest", "lion_nearest")   # regimes.UPDATE_RULES names
+RULE_TARGETS = {"stochastic": 1.05, "kahan": 1.05, "madam_nearest": 1.05}   # step time / nearest's, cpu preset
 
 def _bench_data(tmp, max_docs: int = 200) -> str:
     "A small prepared EurLex folder under `tmp` (from the shared sample when there is one)."
@@ -98,21 +89,22 @@ def interleave_steps(trainers: dict, steps: int, warmup: int = 3) -> dict[str, l
 
 def bench_rules(preset: str = "cpu", fmt: str = "E4M3", steps: int = 30, data_dir: str | None = None, warmup: int = 3,
                 rules=DEFAULT_RULES, shadow: bool = False, **overrides) -> dict:
-    "Median step time of format-mode trainers of `preset`, one per update rule (`RULE_VARIANTS`), interleaved; ratios to `nearest`."
+    "Median step time of trainers of `preset`, one per update regime (`regimes.UPDATE_RULES` names), interleaved; ratios to `nearest`."
     import tempfile
     from pathlib import Path
     from altgrad.config import load_config
     from altgrad.trainer import Trainer
+    from altgrad.regimes import UPDATE_RULES
     rules = list(dict.fromkeys(["nearest", *rules]))                 # nearest is the baseline: always there, first
-    bad = [r for r in rules if r not in RULE_VARIANTS]
-    if bad: raise ValueError(f"unknown rule(s) {bad}; valid: {', '.join(RULE_VARIANTS)}")
+    bad = [r for r in rules if r not in UPDATE_RULES]
+    if bad: raise ValueError(f"unknown rule(s) {bad}; valid: {', '.join(UPDATE_RULES)}")
     if not fmt: raise ValueError("bench_rules needs an 8-bit format (fmt), the weights live on its grid")
     if steps < 1 or warmup < 0: raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = str(data_dir) if data_dir else _bench_data(tmp)
         trainers = {k: Trainer(load_config(preset, **{**dict(data_dir=data_dir, out_dir=str(Path(tmp) / k), fmt=fmt,
-                                                             master_weights="format", shadow=shadow, max_steps=warmup + steps,
-                                                             wandb_mode="disabled"), **overrides, **RULE_VARIANTS[k]}), progress=False)
+                                                             shadow=shadow, max_steps=warmup + steps, wandb_mode="disabled"),
+                                                      **overrides, **UPDATE_RULES[k].overrides()}), progress=False)
                     for k in rules}
         times = interleave_steps(trainers, steps, warmup)
         t0 = trainers["nearest"]
@@ -120,32 +112,41 @@ def bench_rules(preset: str = "cpu", fmt: str = "E4M3", steps: int = 30, data_di
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = {k: round(v / med["nearest"], 4) for k, v in med.items()}
     targets = {k: v for k, v in RULE_TARGETS.items() if k in ratio}
-    return dict(benchmark="train_rules", preset=preset, fmt=fmt, master_weights="format", shadow=shadow, steps=steps,
-                warmup=warmup, **_env(device), tokens_per_step=tps, rules={k: RULE_VARIANTS[k] for k in rules},
+    return dict(benchmark="train_rules", preset=preset, fmt=fmt, shadow=shadow, steps=steps,
+                warmup=warmup, **_env(device), tokens_per_step=tps, rules={k: UPDATE_RULES[k].overrides() for k in rules},
                 step_time={k: round(v, 6) for k, v in med.items()}, ratio_to_nearest=ratio, targets=targets,
                 met=all(ratio[k] <= v for k, v in targets.items()))
+
+def unmet_goals(res, path: str = "") -> list[str]:
+    "Paths of every `\"met\": false` in a benchmark's JSON (nested dicts included): the goals this run missed."
+    if not isinstance(res, dict): return []
+    here = [path or "met"] if res.get("met") is False else []
+    return here + [p for k, v in res.items() for p in unmet_goals(v, f"{path}.{k}" if path else str(k))]
 
 # %% ../nbs/03_bench.ipynb #acace413
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `altgrad-bench` console script."
+    from altgrad.regimes import UPDATE_RULES
     p = argparse.ArgumentParser(prog="altgrad-bench", description="altgrad benchmarks (JSON on stdout; ratios side by side)")
     sub = p.add_subparsers(dest="what", required=True)
-    q = sub.add_parser("quantize", help="quantize vs native E5M2 cast and clone")
+    strict = argparse.ArgumentParser(add_help=False)
+    strict.add_argument("--strict", action="store_true", help='exit 1 when any goal in the JSON has "met": false')
+    q = sub.add_parser("quantize", help="quantize vs native E5M2 cast and clone", parents=[strict])
     q.add_argument("--numel", type=int, default=16 * 2**20)
     q.add_argument("--formats", default=",".join(FORMAT_REGISTRY), help="comma-separated format names")
     q.add_argument("--roundings", default="nearest,stochastic")
     q.add_argument("--repeats", type=int, default=7)
     q.add_argument("--device", default=None)
     q.add_argument("--eager", action="store_true", help="also time the eager (uncompiled) kernels")
-    t = sub.add_parser("train", help="step time of an 8-bit run relative to the plain run of the same preset")
+    t = sub.add_parser("train", help="step time of an 8-bit run relative to the plain run of the same preset", parents=[strict])
     t.add_argument("--preset", default="cpu")
     t.add_argument("--fmt", default="E4M3")
     t.add_argument("--steps", type=int, default=30)
     t.add_argument("--data-dir", default=None)
     t.add_argument("--warmup", type=int, default=3, help="interleaved rounds before timing starts")
     t.add_argument("--rules", nargs="?", const=",".join(DEFAULT_RULES), default=None, metavar="RULE,...",
-                   help=f"time the weight-update rules in format mode relative to nearest instead (default list: "
-                        f"{','.join(DEFAULT_RULES)}; also {','.join(k for k in RULE_VARIANTS if k not in DEFAULT_RULES)})")
+                   help=f"time update regimes (altgrad.regimes) relative to nearest instead (default list: "
+                        f"{','.join(DEFAULT_RULES)}; also {','.join(k for k in UPDATE_RULES if k not in DEFAULT_RULES)})")
     t.add_argument("--shadow", action="store_true", help="with --rules: keep the FP32 shadow on in every trainer")
     a = p.parse_args(argv)
     if a.what == "quantize":
@@ -155,11 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_quantize(a.numel, fmts, tuple(r.strip() for r in a.roundings.split(",")), a.repeats, a.device, a.eager)
     elif a.rules is not None:
         rules = [r.strip() for r in a.rules.split(",") if r.strip()]
-        bad = [r for r in rules if r not in RULE_VARIANTS]
-        if bad: p.error(f"--rules: unknown rule(s) {bad}; valid: {', '.join(RULE_VARIANTS)}")
+        bad = [r for r in rules if r not in UPDATE_RULES]
+        if bad: p.error(f"--rules: unknown rule(s) {bad}; valid: {', '.join(UPDATE_RULES)}")
         res = bench_rules(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup, rules=rules, shadow=a.shadow)
     else:
         from altgrad.trainer import bench_train
         res = bench_train(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup)
     print(json.dumps(res, indent=1))
+    missed = unmet_goals(res)
+    if a.strict and missed:
+        print(f"[altgrad] altgrad-bench --strict: goal not met ({', '.join(missed)})", file=sys.stderr); return 1
     return 0

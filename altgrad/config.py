@@ -4,15 +4,16 @@
 
 # %% ../nbs/12_config.ipynb #e1f88aea
 from __future__ import annotations
-import difflib, os, re, tempfile, types, typing
+import difflib, os, re, sys, tempfile, types, typing
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 import yaml
 import torch
 
 # %% auto #0
-__all__ = ['PRESETS', 'ConfigError', 'TrainConfig', 'check_keys', 'preset_path', 'load_config', 'parse_value', 'parse_overrides',
-           'save_config', 'resolve_device', 'autocast_dtype']
+__all__ = ['KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS', 'ConfigError', 'TrainConfig',
+           'renamed_keys', 'missing_keys', 'config_keys_help', 'check_keys', 'preset_path', 'load_config',
+           'parse_value', 'parse_overrides', 'save_config', 'resolve_device', 'autocast_dtype']
 
 # %% ../nbs/12_config.ipynb #0c920285
 class ConfigError(ValueError):
@@ -26,43 +27,43 @@ class TrainConfig:
     n_layer: int = 6
     n_head: int = 6
     n_embd: int = 384
-    block_size: int = 256          # context length in tokens
-    vocab_size: int = 50304        # GPT-2 BPE (50257) padded to a multiple of 64
+    block_size: int = 256
+    vocab_size: int = 50304
     dropout: float = 0.0
     bias: bool = True
     # --- optimisation (AdamW, warmup + cosine decay) ---
-    batch_size: int = 12           # sequences per micro-batch, per rank (under torchrun each rank draws its own)
-    grad_accum: int = 1            # micro-batches per optimizer step; global batch = batch_size x grad_accum x ranks
+    batch_size: int = 12
+    grad_accum: int = 1
     max_steps: int = 2000
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 100
-    lr_decay_steps: int | None = None  # None -> max_steps
+    lr_decay_steps: int | None = None
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    grad_clip: float = 1.0         # 0 disables clipping
+    grad_clip: float = 1.0
     # --- precision ---
-    precision: str = "auto"        # 'auto' (bf16 autocast on CUDA, fp32 on CPU) | 'bf16' | 'fp32'
-    fmt: str | None = None         # 8-bit format name (see altgrad.formats); None = no 8-bit simulation
-    fmt_backward: str | None = None  # format for the backward pass; None = same as fmt
-    scaling: str = "delayed"       # 'delayed' (amax history) | 'current' (this tensor's amax)
-    granularity: str = "tensor"    # 'tensor' | 'channel' | 'block'
-    block_size_q: int = 32         # elements per scaling block when granularity='block'
+    precision: str = "auto"
+    fmt: str | None = None
+    fmt_backward: str | None = None
+    scaling: str = "delayed"
+    granularity: str = "tensor"
+    block_size_q: int = 32
     amax_history_len: int = 16
-    amax_algo: str = "max"         # 'max' | 'most_recent' (over the amax history)
-    master_weights: str = "fp32"   # 'fp32' | 'format' (weights themselves stored on the 8-bit grid)
-    quantize_grads: bool = False   # also quantize weight gradients
-    rounding: str = "nearest"      # rounding of the GEMM operands W, A, G: 'nearest' | 'stochastic' (training steps only)
-    margin: int = 0                # compute_scale margin: amax maps to fmt.max_value / 2**margin
-    # --- weight update rules (altgrad.grid, altgrad.optim) ---
-    optimizer: str = "adamw"       # base rule proposing the FP32 update u: 'adamw' | 'madam' | 'lion'
-    lr_scale: float | None = None  # optimizer lr = schedule lr * lr_scale; None: the rule's default (altgrad.optim.default_lr_scale)
-    weight_update: str = "nearest" # how w + u lands on the grid (master_weights='format'): 'nearest' | 'stochastic' | 'kahan'
-    residual_dtype: str = "fp32"   # storage of the kahan residual: 'fp32' | 'bf16' | 'format' (8 bits with its own scale)
-    rules: list = field(default_factory=list)  # [[pattern, fmt-or-None], ...] per-parameter format overrides
-    interventions: bool = False    # grid-aware update interventions on/off
-    stop_on_nan: bool = False      # stop at the first non-finite loss instead of after nan_patience steps
+    amax_algo: str = "max"
+    master_weights: str = "fp32"
+    quantize_grads: bool = False
+    rounding: str = "nearest"
+    margin: int = 0
+    # --- update regime (altgrad.regimes: landing rule altgrad.grid, base rule altgrad.optim) ---
+    optimizer: str = "adamw"
+    lr_scale: float | None = None
+    weight_update: str = "nearest"
+    residual_dtype: str = "fp32"
+    layer_formats: list = field(default_factory=list)
+    interventions: bool = False
+    stop_on_nan: bool = False
     # --- FP32 shadow model (gradient cosine similarity every step) ---
     shadow: bool = True
     # --- data and outputs ---
@@ -76,9 +77,10 @@ class TrainConfig:
     # --- evaluation ---
     eval_interval: int = 100
     eval_iters: int = 50
+    eval_tokens: int = 0
     # --- stability thresholds ---
-    nan_patience: int = 10         # consecutive non-finite steps before auto-stop
-    divergence_patience: int = 20  # consecutive loss increases before the divergence flag (never stops)
+    nan_patience: int = 10
+    divergence_patience: int = 20
     bit_stall_threshold: float = 0.5
     overflow_threshold: float = 0.01
     dead_neuron_threshold: float = 1e-8
@@ -88,10 +90,11 @@ class TrainConfig:
     wandb_project: str = "altgrad"
     wandb_run_name: str | None = None
     wandb_tags: list = field(default_factory=list)
-    wandb_mode: str = "auto"       # 'auto' (online if logged in, else offline) | 'offline' | 'online' | 'disabled'
+    wandb_mode: str = "auto"
     seed: int = 42
-    device: str = "auto"           # 'auto' | 'cpu' | 'cuda' | 'cuda:N'
+    device: str = "auto"
     compile: bool = False
+
 
     def __post_init__(self): self.validate()
 
@@ -115,7 +118,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> TrainConfig:
-        "Build from a dict; unknown keys raise `ConfigError` naming them (with close matches)."
+        "Build from a dict (renamed keys mapped, see `RENAMED_KEYS`); unknown keys raise `ConfigError` naming them."
+        d = renamed_keys(d, source)
         check_keys(d, source)
         return cls(**d)
 
@@ -129,11 +133,7 @@ _CHOICES = {
     "scaling": ("delayed", "current"),
     "granularity": ("tensor", "channel", "block"),
     "amax_algo": ("max", "most_recent"),
-    "master_weights": ("fp32", "format"),
     "rounding": ("nearest", "stochastic"),
-    "optimizer": ("adamw", "madam", "lion"),
-    "weight_update": ("nearest", "stochastic", "kahan"),
-    "residual_dtype": ("fp32", "bf16", "format"),
     "wandb_mode": ("offline", "online", "disabled", "auto"),
 }
 # key -> (low, high, low_inclusive, high_inclusive); None = unbounded
@@ -149,6 +149,13 @@ _RANGES = {
     "bit_stall_threshold": (0, 1, True, True), "overflow_threshold": (0, 1, True, True),
 }
 _NONE_WORDS = ("none", "null", "~")
+
+def _registry_choices() -> dict:
+    "Choices read from the registries (formats aside): landings, optimizers, where weights live, residual storage."
+    from altgrad.grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES
+    from altgrad.optim import OPTIMIZERS
+    return dict(master_weights=MASTER_WEIGHTS, optimizer=tuple(OPTIMIZERS), weight_update=tuple(LANDINGS),
+                residual_dtype=RESIDUAL_DTYPES)
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 def _field_types() -> dict:
@@ -222,7 +229,7 @@ def _validate(cfg: TrainConfig):
         try: setattr(cfg, key, _coerce(key, getattr(cfg, key), tp))
         except ConfigError as e: errors.append(str(e))
     if errors: raise ConfigError("invalid config: " + "; ".join(errors))
-    for key, allowed in _CHOICES.items():
+    for key, allowed in {**_CHOICES, **_registry_choices()}.items():
         v = getattr(cfg, key)
         if v not in allowed: errors.append(f"{key}={v!r} is not one of {', '.join(repr(a) for a in allowed)}")
     for key, rng in _RANGES.items():
@@ -234,26 +241,110 @@ def _validate(cfg: TrainConfig):
         errors.append(f"device={cfg.device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
     for key in ("fmt", "fmt_backward"):
         if getattr(cfg, key) is not None and (msg := _check_format(key, getattr(cfg, key))): errors.append(msg)
-    for i, rule in enumerate(cfg.rules):
+    for i, rule in enumerate(cfg.layer_formats):
         if not (isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str) and rule[0]):
-            errors.append(f"rules[{i}]={rule!r} must be a [pattern, format-or-None] pair with a non-empty pattern"); continue
+            errors.append(f"layer_formats[{i}]={rule!r} must be a [pattern, format-or-None] pair with a non-empty pattern"); continue
         if isinstance(rule[1], str) and rule[1].strip().lower() in _NONE_WORDS: rule[1] = None
-        if rule[1] is not None and (msg := _check_format(f"rules[{i}] format", rule[1])): errors.append(msg)
+        if rule[1] is not None and (msg := _check_format(f"layer_formats[{i}] format", rule[1])): errors.append(msg)
     if not all(isinstance(t, str) for t in cfg.wandb_tags): errors.append(f"wandb_tags must be a list of strings, got {cfg.wandb_tags!r}")
-    if cfg.weight_update == "kahan" and cfg.master_weights != "format":
-        errors.append("weight_update='kahan' needs master_weights='format': error feedback carries what rounding onto the 8-bit "
+    from altgrad.grid import LANDINGS
+    if cfg.weight_update in LANDINGS and LANDINGS[cfg.weight_update].residual and cfg.master_weights != "format":
+        errors.append(f"weight_update={cfg.weight_update!r} needs master_weights='format': error feedback carries what rounding onto the 8-bit "
                       "grid lost, and with FP32 master weights nothing is lost (the FP32 copy already keeps every update)")
     if errors: raise ConfigError("invalid config: " + "; ".join(errors))
 
+# %% ../nbs/12_config.ipynb #de19093f
+KEY_DOCS = {   # one line per TrainConfig key: what it means (allowed values are checked by _CHOICES / _RANGES)
+    "n_layer": "transformer blocks", "n_head": "attention heads per block", "n_embd": "model width",
+    "block_size": "context length in tokens", "vocab_size": "vocabulary size (GPT-2 BPE 50257, padded to a multiple of 64)",
+    "dropout": "dropout probability", "bias": "biases in Linear and LayerNorm layers",
+    "batch_size": "sequences per micro-batch, per rank (under torchrun each rank draws its own)",
+    "grad_accum": "micro-batches per optimizer step; global batch = batch_size x grad_accum x ranks",
+    "max_steps": "optimizer steps to train", "lr": "peak learning rate (AdamW units; see lr_scale)",
+    "min_lr": "learning rate at the end of the cosine decay", "warmup_steps": "linear warmup steps",
+    "lr_decay_steps": "steps of the cosine decay (None: max_steps)", "weight_decay": "AdamW's decoupled weight decay λ",
+    "beta1": "first-moment decay (AdamW, Lion)", "beta2": "second-moment decay (AdamW, Lion)",
+    "grad_clip": "gradient-norm clip (0: off)",
+    "precision": "'auto' (bf16 autocast on CUDA, fp32 on CPU) | 'bf16' | 'fp32'",
+    "fmt": "8-bit format of the linear layers (altgrad.formats; None: no 8-bit simulation)",
+    "fmt_backward": "format of the backward pass (None: same as fmt)",
+    "scaling": "'delayed' (amax history) | 'current' (this tensor's amax)",
+    "granularity": "scale per 'tensor' | 'channel' | 'block'", "block_size_q": "elements per scaling block (granularity='block')",
+    "amax_history_len": "steps of amax history (delayed scaling)", "amax_algo": "'max' | 'most_recent' over the amax history",
+    "master_weights": "where the weights live: 'fp32' master copy | 'format' (on the 8-bit grid)",
+    "quantize_grads": "also quantize the weight gradients",
+    "rounding": "rounding of the GEMM operands W, A, G: 'nearest' | 'stochastic' (training steps only)",
+    "margin": "scale margin: amax maps to the format's max / 2**margin",
+    "optimizer": "base rule proposing the FP32 update (altgrad.optim.OPTIMIZERS: adamw, madam, lion)",
+    "lr_scale": "optimizer lr = schedule lr x lr_scale (None: the optimizer's default, optim.default_lr_scale)",
+    "weight_update": "how w + u lands on the grid with master_weights='format' (altgrad.grid.LANDINGS: nearest, stochastic, kahan)",
+    "residual_dtype": "storage of a landing residual (kahan): 'fp32' | 'bf16' | 'format' (8 bits, own scale)",
+    "layer_formats": "[[pattern, format-or-None], ...] per-layer formats, first match wins (fmt covers the rest)",
+    "interventions": "grid-aware update interventions on/off",
+    "stop_on_nan": "stop at the first non-finite loss instead of after nan_patience steps",
+    "shadow": "FP32 shadow model (gradient cosine similarity every step)",
+    "data_dir": "prepared token data (altgrad-prepare)", "out_dir": "run folder (config, metrics, checkpoints, summary)",
+    "checkpoint_interval": "steps between checkpoints", "keep_last": "periodic checkpoints kept",
+    "keep_best": "also keep the checkpoint of the best validation loss", "resume": "continue the run in out_dir from its last checkpoint",
+    "eval_interval": "steps between validation evaluations", "eval_iters": "validation batches per evaluation (eval_tokens=0)",
+    "eval_tokens": "0: eval_iters random batches; N > 0: one fixed validation set of N tokens, the same for every run",
+    "nan_patience": "consecutive non-finite steps before the run stops",
+    "divergence_patience": "consecutive loss increases before the divergence flag (never stops)",
+    "bit_stall_threshold": "stall rate above which a layer is flagged", "overflow_threshold": "overflow rate above which a layer is flagged",
+    "dead_neuron_threshold": "activation magnitude below which a neuron counts as dead",
+    "dead_neuron_window": "steps a neuron must stay dead to be counted", "log_interval": "steps between log lines",
+    "wandb_project": "W&B project", "wandb_run_name": "W&B run name (None: generated)", "wandb_tags": "W&B tags",
+    "wandb_mode": "'auto' (online if logged in, else offline) | 'offline' | 'online' | 'disabled'",
+    "seed": "random seed (model init, data order, stochastic rounding)", "device": "'auto' | 'cpu' | 'cuda' | 'cuda:N'",
+    "compile": "torch.compile the model",
+}
+RENAMED_KEYS = {"rules": "layer_formats"}           # old key -> new key: old config files still load
+KEY_ALIASES = {"learning_rate": "lr", "steps": "max_steps", "num_steps": "max_steps", "iters": "max_steps",
+               "format": "fmt", "warmup": "warmup_steps", "batch": "batch_size", "context_length": "block_size",
+               "seq_len": "block_size", "n_layers": "n_layer", "num_layers": "n_layer", "n_heads": "n_head",
+               "d_model": "n_embd", "hidden_size": "n_embd", "optim": "optimizer", "landing": "weight_update",
+               "gradient_accumulation_steps": "grad_accum", "clip": "grad_clip", "wd": "weight_decay"}
+# keys added after runs were committed, with the default that reproduces what those runs did
+BACKWARD_DEFAULTS = {"eval_tokens": 0}
+
+_RENAME_NOTED: set = set()                          # old keys already announced in this process
+
+def renamed_keys(d: dict, source: str = "config") -> dict:
+    "`d` with old key names (`RENAMED_KEYS`) mapped to the new ones (one stderr line per old key and process); both -> ConfigError."
+    if not any(k in d for k in RENAMED_KEYS): return d
+    d = dict(d)
+    for old, new in RENAMED_KEYS.items():
+        if old not in d: continue
+        if new in d: raise ConfigError(f"config keys {old!r} and {new!r} both given (in {source}): {old!r} is the old name of {new!r}; keep only {new!r}")
+        if old not in _RENAME_NOTED:
+            print(f"[altgrad] config key {old!r} is renamed {new!r} (in {source}; old files still load, this note shows once)", file=sys.stderr)
+            _RENAME_NOTED.add(old)
+        d[new] = d.pop(old)
+    return d
+
+def missing_keys(saved: dict) -> list[str]:
+    "Keys a saved config (e.g. an old `config.yaml`) lacks whose default may differ from what ran (renames and `BACKWARD_DEFAULTS` excepted)."
+    have = {RENAMED_KEYS.get(k, k) for k in saved}
+    return [f.name for f in fields(TrainConfig) if f.name not in have and f.name not in BACKWARD_DEFAULTS]
+
+def config_keys_help() -> str:
+    "Every config key with its default and its one-line meaning (the key list of `altgrad-train --help`)."
+    cfg, rows = TrainConfig(), []
+    for f in fields(TrainConfig):
+        rows.append((f"{f.name}={getattr(cfg, f.name)!r}".replace("'", ""), KEY_DOCS[f.name]))
+    w = max(len(a) for a, _ in rows)
+    return "config keys with their defaults (a preset overrides some; key=value on the command line, key: value in YAML):\n" + \
+        "\n".join(f"  {a:<{w}}  {b}" for a, b in rows)
+
 # %% ../nbs/12_config.ipynb #0684a9a2
 def check_keys(d: dict, source: str = "config"):
-    "Raise `ConfigError` for keys of `d` that are not `TrainConfig` fields, suggesting close matches."
+    "Raise `ConfigError` for keys of `d` that are not `TrainConfig` fields, suggesting the nearest (`KEY_ALIASES`, then `difflib`)."
     valid = [f.name for f in fields(TrainConfig)]
     bad = [k for k in d if k not in valid]
     if not bad: return
     msgs = []
     for k in bad:
-        close = difflib.get_close_matches(str(k), valid, n=3, cutoff=0.6)
+        close = [KEY_ALIASES[k]] if k in KEY_ALIASES else difflib.get_close_matches(str(k), valid, n=3, cutoff=0.6)
         msgs.append(f"unknown config key {k!r} (in {source})" + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ""))
     raise ConfigError("; ".join(msgs))
 
@@ -294,6 +385,7 @@ def _resolve(spec, _seen=()) -> dict:
     if p.resolve() in _seen: raise ConfigError(f"{p}: circular 'preset:' chain")
     data = _read_yaml(p)
     base = data.pop("preset", None)
+    data = renamed_keys(data, str(p))
     check_keys(data, str(p))
     if base is None: return data
     if not (isinstance(base, str) and base in PRESETS): base = str(p.parent / str(base))
@@ -302,6 +394,7 @@ def _resolve(spec, _seen=()) -> dict:
 def load_config(path_or_preset: str | os.PathLike | None = None, **overrides) -> TrainConfig:
     "Config from a preset name or YAML file (optionally `preset: NAME` + overrides), then keyword `overrides`."
     d = {} if path_or_preset is None else _resolve(path_or_preset)
+    overrides = renamed_keys(overrides, "overrides")
     check_keys(overrides, "overrides")
     return TrainConfig.from_dict({**d, **overrides}, source=str(path_or_preset))
 
@@ -309,16 +402,17 @@ def load_config(path_or_preset: str | os.PathLike | None = None, **overrides) ->
 def parse_value(key: str, text: str):
     "Typed value of CLI string `text` for config field `key`."
     types_ = _field_types()
-    if key not in types_: check_keys({key: None}, "command line")
-    base, optional = _unwrap_optional(types_[key])
+    tp = types_.get(RENAMED_KEYS.get(key, key))
+    if tp is None: check_keys({key: None}, "command line")
+    base, optional = _unwrap_optional(tp)
     if base is str and not (optional and text.strip().lower() in _NONE_WORDS): return text
     if base is list:
         try: value = yaml.safe_load(text) if text.strip() else []
         except yaml.YAMLError as e: raise ConfigError(f"{key}={text!r}: not a valid YAML list: {e}") from None
         if isinstance(value, str): value = [v.strip() for v in value.split(",") if v.strip()]
         if value is None: value = []
-        return _coerce(key, value, types_[key])
-    return _coerce(key, text, types_[key])
+        return _coerce(key, value, tp)
+    return _coerce(key, text, tp)
 
 def parse_overrides(items) -> dict:
     "`['key=value', ...]` -> `{key: typed value}` (unknown keys raise `ConfigError` with suggestions)."

@@ -5,14 +5,16 @@
 # %% ../nbs/04_grid.ipynb #ffb49889
 from __future__ import annotations
 import math
+from dataclasses import dataclass
+from typing import Callable
 import torch
 from .formats import FP8Format, get_format, quantize
 from .scaling import SCALE_MIN, SCALE_MAX
 
 # %% auto #0
-__all__ = ['WEIGHT_UPDATES', 'RESIDUAL_DTYPES', 'RESIDUAL_BYTES', 'STAT_FIELDS', 'R_EDGES', 'grid_magnitude', 'grid_steps',
-           'grid_ulp', 'check_rule', 'land', 'store_residual', 'regrid_scale', 'update_stats', 'stats_dict',
-           'ratio_histogram']
+__all__ = ['MASTER_WEIGHTS', 'RESIDUAL_DTYPES', 'RESIDUAL_BYTES', 'LANDINGS', 'STAT_FIELDS', 'R_EDGES', 'grid_magnitude',
+           'grid_steps', 'grid_ulp', 'Landing', 'register_landing', 'get_landing', 'land', 'store_residual',
+           'regrid_scale', 'update_stats', 'stats_dict', 'ratio_histogram']
 
 # %% ../nbs/04_grid.ipynb #8c7f11d5
 def _scale_t(scale, like: torch.Tensor) -> torch.Tensor:
@@ -41,24 +43,47 @@ def grid_ulp(w: torch.Tensor, u: torch.Tensor, fmt, scale=1.0) -> torch.Tensor:
     return torch.where(grow, up, down)
 
 # %% ../nbs/04_grid.ipynb #f27bed9f
-WEIGHT_UPDATES = ("nearest", "stochastic", "kahan")
+MASTER_WEIGHTS = ("fp32", "format")        # where the weights live: FP32 master copy, or on the 8-bit grid
 RESIDUAL_DTYPES = ("fp32", "bf16", "format")
 RESIDUAL_BYTES = {"fp32": 4, "bf16": 2, "format": 1}   # memory per parameter of the kahan residual (+ one scale per tensor)
 
-def check_rule(rule: str):
-    if rule not in WEIGHT_UPDATES: raise ValueError(f"weight_update={rule!r} is not one of {', '.join(map(repr, WEIGHT_UPDATES))}")
+@dataclass(frozen=True)
+class Landing:
+    "How `w + u` lands on the grid: `apply(w, u, fmt, scale, residual, generator) -> (w_new, residual_new or None)`."
+    name: str
+    apply: Callable
+    stochastic: bool = False      # draws random bits (needs a generator)
+    residual: bool = False        # carries what rounding lost to the next step (needs master_weights='format')
 
-def land(w: torch.Tensor, u: torch.Tensor, fmt, scale=1.0, rule: str = "nearest", residual: torch.Tensor | None = None,
-         generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    "`w + u` on `fmt`'s grid with `scale` by `rule` ('nearest' | 'stochastic' | 'kahan'): `(w_new, residual_new)`."
-    check_rule(rule)
-    fmt = get_format(fmt)
-    w, u = w.detach().float(), u.detach().float()
-    if rule == "nearest": return quantize(w + u, fmt, scale), None
-    if rule == "stochastic": return quantize(w + u, fmt, scale, rounding="stochastic", generator=generator), None
+LANDINGS: dict[str, Landing] = {}
+
+def register_landing(landing: Landing) -> Landing:
+    "Add `landing` to `LANDINGS` under its name (the value of `weight_update` that selects it)."
+    if not isinstance(landing, Landing): raise TypeError(f"register_landing needs a Landing, got {type(landing).__name__}")
+    LANDINGS[landing.name] = landing
+    return landing
+
+def get_landing(name: str) -> Landing:
+    "The registered landing rule `name`; unknown names raise ValueError listing the valid ones."
+    if name not in LANDINGS: raise ValueError(f"weight_update={name!r} is not one of {', '.join(map(repr, LANDINGS))}")
+    return LANDINGS[name]
+
+def _nearest(w, u, fmt, scale, residual, generator): return quantize(w + u, fmt, scale), None
+def _stochastic(w, u, fmt, scale, residual, generator):
+    return quantize(w + u, fmt, scale, rounding="stochastic", generator=generator), None
+def _kahan(w, u, fmt, scale, residual, generator):
     y = u if residual is None else u + residual.float()
     w_new = quantize(w + y, fmt, scale)
     return w_new, y - (w_new - w)
+
+register_landing(Landing("nearest", _nearest))
+register_landing(Landing("stochastic", _stochastic, stochastic=True))
+register_landing(Landing("kahan", _kahan, residual=True))
+
+def land(w: torch.Tensor, u: torch.Tensor, fmt, scale=1.0, rule: str = "nearest", residual: torch.Tensor | None = None,
+         generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    "`w + u` on `fmt`'s grid with `scale` by the landing rule `rule` (a `LANDINGS` name): `(w_new, residual_new)`."
+    return get_landing(rule).apply(w.detach().float(), u.detach().float(), get_format(fmt), scale, residual, generator)
 
 def store_residual(c: torch.Tensor, dtype: str, fmt) -> torch.Tensor:
     "The residual as it is stored between steps: float32, bfloat16, or `fmt` with its own per-tensor scale."
@@ -83,7 +108,7 @@ def regrid_scale(amax: torch.Tensor, scale: torch.Tensor, fmt, margin: int = 0, 
     new = torch.ldexp(s, k.to(torch.int32))
     new = torch.where(a * new > T, new * 0.5, new)             # guard the log2 rounding at both ends
     new = torch.where(a * new * 2 <= T, new * 2, new)
-    top = T if rule == "stochastic" else T + float(fmt.ulp(torch.tensor(T))) / 2
+    top = T if get_landing(rule).stochastic else T + float(fmt.ulp(torch.tensor(T))) / 2
     keep = ~ok | ((p <= top) & (p * 4 > T))
     return torch.where(keep, s, new.clamp(SCALE_MIN, SCALE_MAX))
 

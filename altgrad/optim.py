@@ -5,16 +5,18 @@
 # %% ../nbs/23_optim.ipynb #8804c069
 from __future__ import annotations
 import math
+from dataclasses import dataclass
+from typing import Callable
 import torch
 from torch import nn
 from .formats import _noise23
 
 # %% auto #0
-__all__ = ['OPTIMIZERS', 'EXP_ROUNDINGS', 'LR_SCALES', 'GRID_KEYS', 'Lion', 'sr_seed', 'round_exponent', 'max_whole_shift',
-           'Madam', 'default_lr_scale', 'optimizer_weight_decay', 'build_optimizer']
+__all__ = ['EXP_ROUNDINGS', 'GRID_KEYS', 'OPTIMIZERS', 'Lion', 'sr_seed', 'round_exponent', 'max_whole_shift', 'Madam',
+           'OptimizerSpec', 'register_optimizer', 'get_optimizer', 'default_lr_scale', 'optimizer_weight_decay',
+           'decay_groups', 'build_optimizer']
 
 # %% ../nbs/23_optim.ipynb #02da0abb
-OPTIMIZERS = ("adamw", "madam", "lion")
 EXP_ROUNDINGS = ("nearest", "stochastic")
 
 def _check_number(key: str, v, lo: float = 0.0, lo_open: bool = False, hi: float | None = None, hi_open: bool = True):
@@ -159,24 +161,44 @@ class Madam(torch.optim.Optimizer):
         return loss
 
 # %% ../nbs/23_optim.ipynb #ba5090f1
-LR_SCALES = {"adamw": 1.0, "madam": 10.0, "lion": 0.3}
 GRID_KEYS = ("integer_exponent", "exp_rounding", "exp_lr_scale", "seed")
 
-def _check_name(name: str) -> str:
+@dataclass(frozen=True)
+class OptimizerSpec:
+    "A base rule in `OPTIMIZERS`: `make(params, lr, weight_decay, betas, device_type, grid, **kwargs)` builds it."
+    name: str
+    make: Callable[..., torch.optim.Optimizer]
+    lr_scale: float = 1.0         # recommended lr relative to the preset's AdamW lr (`default_lr_scale`)
+    wd_divisor: float = 1.0       # its λ = AdamW's λ / wd_divisor: the same per-step shrink at lr_scale·lr
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {}
+
+def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
+    "Add `spec` to `OPTIMIZERS` under its name (the value of the config key `optimizer` that selects it)."
+    if not isinstance(spec, OptimizerSpec): raise TypeError(f"register_optimizer needs an OptimizerSpec, got {type(spec).__name__}")
+    OPTIMIZERS[spec.name] = spec
+    return spec
+
+def get_optimizer(name: str) -> OptimizerSpec:
+    "The registered base rule `name`; unknown names raise ValueError listing the valid ones."
     if name not in OPTIMIZERS: raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
-    return name
+    return OPTIMIZERS[name]
 
 def default_lr_scale(name: str) -> float:
     "Recommended learning rate of optimizer `name` relative to the preset's AdamW learning rate."
-    return LR_SCALES[_check_name(name)]
+    return get_optimizer(name).lr_scale
 
 def optimizer_weight_decay(name: str, weight_decay: float) -> float:
     "The λ `build_optimizer` gives `name` so its per-step shrink equals AdamW's λ at `default_lr_scale(name)`·lr."
-    _check_name(name)
-    if name == "lion": return weight_decay / LR_SCALES["lion"]
-    if name == "madam": return weight_decay / (LR_SCALES["madam"] * math.log(2))
-    return weight_decay
+    d = get_optimizer(name).wd_divisor
+    return weight_decay if d == 1.0 else weight_decay / d
 
+def decay_groups(params: list, weight_decay: float) -> list[dict]:
+    "nanoGPT's two groups: `weight_decay` on the >=2-D parameters, none on the 1-D ones (biases, LayerNorm)."
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+# %% ../nbs/23_optim.ipynb #450077cb
 def _check_grid_params(grid_params, params) -> dict:
     "Validate `grid_params` ({param: options}) against the trainable `params`."
     if not grid_params: return {}
@@ -191,30 +213,36 @@ def _check_grid_params(grid_params, params) -> dict:
             raise ValueError(f"grid_params exp_rounding={opts['exp_rounding']!r} is not one of {EXP_ROUNDINGS}")
     return {id(p): opts for p, opts in grid_params.items()}
 
-def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),
-                    device_type: str = "cpu", grid_params: dict | None = None, **kwargs) -> torch.optim.Optimizer:
-    """The optimizer `name` (one of `OPTIMIZERS`) over `model`'s trainable parameters: decay on >=2-D, none on 1-D.
+def _adamw(params, lr, weight_decay, betas, device_type, grid, **kwargs):
+    return torch.optim.AdamW(decay_groups(params, weight_decay), lr=lr, betas=betas, fused=device_type == "cuda", **kwargs)
 
-    'adamw' is `GPT.configure_optimizers` exactly. `weight_decay` is AdamW's λ (converted by `optimizer_weight_decay`).
-    `grid_params` {param: {'integer_exponent', 'exp_rounding', 'exp_lr_scale', 'seed'}} gives Madam groups of their own."""
-    _check_name(name)
-    params = [p for p in model.parameters() if p.requires_grad]
-    grid = _check_grid_params(grid_params, params)
-    if name == "adamw":
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type == "cuda", **kwargs)
-    wd = optimizer_weight_decay(name, weight_decay)
-    special = {i: o for i, o in grid.items() if name == "madam" and o.get("integer_exponent", False)}
-    base = [p for p in params if id(p) not in special]
-    groups = [{"params": [p for p in base if p.dim() >= 2], "weight_decay": wd},
-              {"params": [p for p in base if p.dim() < 2], "weight_decay": 0.0}]
-    if name == "lion": return Lion(groups, lr=lr, betas=betas, **kwargs)
+def _lion(params, lr, weight_decay, betas, device_type, grid, **kwargs):
+    return Lion(decay_groups(params, weight_decay), lr=lr, betas=betas, **kwargs)
+
+def _madam(params, lr, weight_decay, betas, device_type, grid, **kwargs):
+    "Madam; `grid` parameters with `integer_exponent` get groups of their own (one per distinct option set)."
+    special = {i: o for i, o in grid.items() if o.get("integer_exponent", False)}
     extra = {}
     for p in params:
         if id(p) not in special: continue
         opts = special[id(p)]
         key = (p.dim() >= 2, tuple(sorted(opts.items())))
-        if key not in extra: extra[key] = {"params": [], "weight_decay": wd if p.dim() >= 2 else 0.0, **opts}
+        if key not in extra: extra[key] = {"params": [], "weight_decay": weight_decay if p.dim() >= 2 else 0.0, **opts}
         extra[key]["params"].append(p)
-    return Madam(groups + list(extra.values()), lr=lr, **kwargs)
+    base = decay_groups([p for p in params if id(p) not in special], weight_decay)
+    return Madam(base + list(extra.values()), lr=lr, **kwargs)
+
+register_optimizer(OptimizerSpec("adamw", _adamw))
+register_optimizer(OptimizerSpec("madam", _madam, lr_scale=10.0, wd_divisor=10.0 * math.log(2)))
+register_optimizer(OptimizerSpec("lion", _lion, lr_scale=0.3, wd_divisor=0.3))
+
+def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),
+                    device_type: str = "cpu", grid_params: dict | None = None, **kwargs) -> torch.optim.Optimizer:
+    """The optimizer `name` (a key of `OPTIMIZERS`) over `model`'s trainable parameters: decay on >=2-D, none on 1-D.
+
+    'adamw' is `GPT.configure_optimizers` exactly. `weight_decay` is AdamW's λ (converted by `optimizer_weight_decay`).
+    `grid_params` {param: {'integer_exponent', 'exp_rounding', 'exp_lr_scale', 'seed'}} gives Madam groups of their own."""
+    spec = get_optimizer(name)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grid = _check_grid_params(grid_params, params)
+    return spec.make(params, lr, optimizer_weight_decay(name, weight_decay), betas, device_type, grid, **kwargs)

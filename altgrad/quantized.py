@@ -4,7 +4,7 @@
 
 # %% ../nbs/20_quantized.ipynb #64db4bd4
 from __future__ import annotations
-import dataclasses, fnmatch, re, warnings
+import dataclasses, fnmatch, re, sys, warnings
 from dataclasses import dataclass
 from functools import lru_cache
 import torch
@@ -14,18 +14,17 @@ from .formats import COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_mode
 from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale
 from .diagnostics import bit_histogram, range_edges, stall_counts
 from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_distributed
-from .grid import (WEIGHT_UPDATES, RESIDUAL_DTYPES, land, regrid_scale, store_residual, update_stats, stats_dict, STAT_FIELDS,
+from .grid import (LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, land, regrid_scale, store_residual, update_stats, stats_dict, STAT_FIELDS,
                           ratio_histogram)
 
 # %% auto #0
-__all__ = ['SCALINGS', 'MASTER_WEIGHTS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer',
-           'QuantizedLinear', 'LayerPrecisionRule', 'quantize_model', 'quantize_model_from_config', 'quantized_layers',
-           'quant_pre_step', 'quant_post_step', 'commit_amax', 'set_distributed', 'set_accumulation', 'pending_amax',
-           'load_pending_amax', 'quant_metrics', 'quant_histograms']
+__all__ = ['SCALINGS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer', 'QuantizedLinear',
+           'LayerPrecisionRule', 'quantize_model', 'quantize_model_from_config', 'quantized_layers', 'quant_pre_step',
+           'quant_post_step', 'commit_amax', 'set_distributed', 'set_accumulation', 'pending_amax', 'load_pending_amax',
+           'quant_metrics', 'quant_histograms']
 
 # %% ../nbs/20_quantized.ipynb #5b149faf
 SCALINGS = ("delayed", "current")
-MASTER_WEIGHTS = ("fp32", "format")
 ROUNDINGS = ("nearest", "stochastic")
 
 def sr_generator(seed: int, *ids: int) -> torch.Generator:
@@ -225,10 +224,10 @@ class QuantizedLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         if fmt is None: raise ValueError(f"QuantizedLinear needs fmt=<format>; valid formats: {', '.join(FORMAT_REGISTRY)}")
         if master_weights not in MASTER_WEIGHTS: raise ValueError(f"master_weights={master_weights!r} is not one of {MASTER_WEIGHTS}")
-        if weight_update not in WEIGHT_UPDATES: raise ValueError(f"weight_update={weight_update!r} is not one of {WEIGHT_UPDATES}")
+        landing = get_landing(weight_update)                    # unknown names: ValueError listing LANDINGS
         if residual_dtype not in RESIDUAL_DTYPES: raise ValueError(f"residual_dtype={residual_dtype!r} is not one of {RESIDUAL_DTYPES}")
-        if weight_update == "kahan" and master_weights != "format":
-            raise ValueError("weight_update='kahan' needs master_weights='format' (with FP32 master weights no update is lost)")
+        if landing.residual and master_weights != "format":
+            raise ValueError(f"weight_update={weight_update!r} needs master_weights='format' (with FP32 master weights no update is lost)")
         fmt = get_format(fmt); fmt_bwd = fmt if fmt_backward is None else get_format(fmt_backward)
         kw = dict(scaling=scaling, granularity=granularity, block_size=block_size, history_len=amax_history_len, algo=amax_algo,
                   saturate=saturate, rounding=rounding, margin=margin)
@@ -347,7 +346,7 @@ class QuantizedLinear(nn.Linear):
         if self.qg.fmt != self.qw.fmt: s += f", fmt_backward={self.qg.fmt.name}"
         s += f", master_weights={self.master_weights!r}" + (", quantize_grads=True" if self.quantize_grads else "")
         if self.master_weights == "format": s += f", weight_update={self.weight_update!r}"
-        if self.weight_update == "kahan": s += f", residual_dtype={self.residual_dtype!r}"
+        if LANDINGS[self.weight_update].residual: s += f", residual_dtype={self.residual_dtype!r}"
         return s + (f", clip_k={self.clip_k:g}" if self.clip_k is not None else "")
 
 # %% ../nbs/20_quantized.ipynb #7c399e25
@@ -385,12 +384,16 @@ def _tied_linears(model: nn.Module) -> set[str]:
         for p in m.parameters(recurse=False): owners.setdefault(id(p), []).append(name)
     return {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and len(set(owners.get(id(m.weight), []))) > 1}
 
-def quantize_model(model: nn.Module, format=None, rules=None, quantize_tied: bool = False, **kw) -> nn.Module:
-    "Replace `model`'s `nn.Linear`s in place per `format` (all) or `rules` (first match wins); `kw` go to `QuantizedLinear`."
-    if (format is None) == (rules is None):
-        raise ValueError("quantize_model needs exactly one of format=<name> (every linear layer) or rules=[[pattern, fmt], ...]"
-                         f" (first match wins); got format={format!r}, rules={rules!r}")
-    rules = [LayerPrecisionRule("*", format)] if format is not None else [LayerPrecisionRule.parse(r) for r in rules]
+def quantize_model(model: nn.Module, format=None, layer_formats=None, quantize_tied: bool = False, rules=None, **kw) -> nn.Module:
+    "Replace `model`'s `nn.Linear`s in place per `format` (all) or `layer_formats` (first match wins); `kw` go to `QuantizedLinear`."
+    if rules is not None:                                   # the old name of layer_formats
+        if layer_formats is not None: raise ValueError("quantize_model got both layer_formats and its old name rules: give layer_formats only")
+        print("[altgrad] quantize_model: argument 'rules' is renamed 'layer_formats'", file=sys.stderr)
+        layer_formats = rules
+    if (format is None) == (layer_formats is None):
+        raise ValueError("quantize_model needs exactly one of format=<name> (every linear layer) or layer_formats=[[pattern, fmt], ...]"
+                         f" (first match wins); got format={format!r}, layer_formats={layer_formats!r}")
+    rules = [LayerPrecisionRule("*", format)] if format is not None else [LayerPrecisionRule.parse(r) for r in layer_formats]
     tied = set() if quantize_tied else _tied_linears(model)
     hits, todo = [0] * len(rules), []
     for name, m in model.named_modules():
@@ -411,11 +414,11 @@ def quantize_model(model: nn.Module, format=None, rules=None, quantize_tied: boo
     return model
 
 def quantize_model_from_config(model: nn.Module, cfg) -> nn.Module:
-    "`quantize_model` from a `TrainConfig`: `cfg.rules` first, then `cfg.fmt` for the rest (no-op if neither is set)."
-    rules = [list(r) for r in (cfg.rules or [])]
+    "`quantize_model` from a `TrainConfig`: `cfg.layer_formats` first, then `cfg.fmt` for the rest (no-op if neither is set)."
+    rules = [list(r) for r in (cfg.layer_formats or [])]
     if cfg.fmt is None and not rules: return model
     if cfg.fmt is not None and not any(r[0] == "*" for r in rules): rules.append(["*", cfg.fmt])
-    return quantize_model(model, rules=rules, fmt_backward=cfg.fmt_backward, scaling=cfg.scaling, granularity=cfg.granularity,
+    return quantize_model(model, layer_formats=rules, fmt_backward=cfg.fmt_backward, scaling=cfg.scaling, granularity=cfg.granularity,
                           block_size=cfg.block_size_q, amax_history_len=cfg.amax_history_len, amax_algo=cfg.amax_algo,
                           master_weights=cfg.master_weights, quantize_grads=cfg.quantize_grads, rounding=cfg.rounding,
                           margin=cfg.margin, weight_update=cfg.weight_update, residual_dtype=cfg.residual_dtype, seed=cfg.seed)
@@ -465,10 +468,11 @@ def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict 
         u = w.detach().float() - before.float()
         if m.on_grid:
             s_old = m.grid_scale
-            res = m.residual.float() if m.weight_update == "kahan" and m.residual.shape == w.shape else None
+            landing = LANDINGS[m.weight_update]
+            res = m.residual.float() if landing.residual and m.residual.shape == w.shape else None
             aim = w.detach().float() if res is None else w.detach().float() + res      # the value that lands
             s_new = regrid_scale(amax_of(aim, q.granularity, q.block_size), s_old, q.fmt, q.margin, m.weight_update)
-            gen = sr_generator(m.seed, m.layer_id, int(m.updates)) if m.weight_update == "stochastic" else None
+            gen = sr_generator(m.seed, m.layer_id, int(m.updates)) if landing.stochastic else None
             w_new, c = land(before, u, q.qfmt, expand_scale(s_new, w, q.granularity, q.block_size), m.weight_update, res, gen)
             w.copy_(w_new.to(w.dtype))
             if c is not None: m.residual = store_residual(c, m.residual_dtype, q.fmt)
@@ -482,8 +486,8 @@ def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict 
             cd = (decay or {}).get(w)
             if cd:                                           # the decay term alone, landed by the same rule
                 d = -cd * before.float()
-                rule = "nearest" if m.weight_update == "kahan" else m.weight_update
-                gd = sr_generator(m.seed, m.layer_id, int(m.updates), 1) if rule == "stochastic" else None
+                rule = "nearest" if landing.residual else m.weight_update      # the decay alone carries no residual
+                gd = sr_generator(m.seed, m.layer_id, int(m.updates), 1) if LANDINGS[rule].stochastic else None
                 dl = land(before, d, q.qfmt, expand_scale(s_new, w, q.granularity, q.block_size), rule, None, gd)[0] - before.float()
                 m._decay = torch.stack([(dl * d).sum(dtype=torch.float64), (d * d).sum(dtype=torch.float64)])
             m._last_update = (before, us, se)
@@ -577,7 +581,7 @@ def quant_metrics(model: nn.Module) -> dict:
             d = stats_dict(v)
             for k in _UPDATE_KEYS:
                 if k == "flip_back" and not m.on_grid: continue
-                if k == "residual_ulp" and m.weight_update != "kahan": continue
+                if k == "residual_ulp" and not LANDINGS[m.weight_update].residual: continue
                 out[f"{k}/{name}"] = d[k]
         tot = stats_dict([sum(col) for col in zip(*sums)])
         tot["update_ratio"] = float(torch.tensor([v[STAT_FIELDS.index("r_median")] for v in sums]).median())  # median of layer medians
