@@ -36,3 +36,34 @@ def test_notebooks_open_with_a_kernel(tmp_path):
         for p in (nb, copy):
             ks = json.loads(p.read_text())["metadata"].get("kernelspec") or {}
             assert ks.get("name") == "python3" and ks.get("language") == "python", f"{p.name}: kernelspec {ks!r}"
+
+
+def test_license_is_apache2():
+    "LICENSE is the full, unmodified Apache License 2.0 text that settings.ini declares (license = apache2)."
+    import configparser, hashlib
+    cfg = configparser.ConfigParser(); cfg.read(ROOT / "settings.ini")
+    assert cfg["DEFAULT"]["license"] == "apache2"
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    for heading in ("1. Definitions.", "9. Accepting Warranty or Additional Liability.", "END OF TERMS AND CONDITIONS",
+                    "APPENDIX: How to apply the Apache License to your work."):
+        assert heading in text, f"LICENSE lacks {heading!r}"
+    assert hashlib.sha256(text.encode()).hexdigest() == \
+        "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30", "LICENSE differs from the canonical Apache 2.0 text"
+
+
+def test_index_opens_unmodified_in_jupyterlab():
+    """nbs/index.ipynb carries the metadata JupyterLab writes when it opens a notebook, so it opens unmodified.
+
+    JupyterLab adds `language_info` on load when it is missing, then sets `kernelspec` (with the kernel's display name)
+    and `language_info` from the started kernel; any difference marks the notebook modified. `nbdev_clean` strips
+    `language_info` and rewrites `display_name` to the kernel name, so it is restored after cleaning."""
+    import json
+    from ipykernel.ipkernel import IPythonKernel
+    from jupyter_client.kernelspec import KernelSpecManager
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    md = json.loads((ROOT / "nbs" / "index.ipynb").read_text())["metadata"]
+    assert md.get("kernelspec") == dict(display_name=spec.display_name, language=spec.language, name="python3"), md
+    want = {k: v for k, v in IPythonKernel.language_info.items() if k != "version"}   # the Python patch version varies
+    got = dict(md.get("language_info") or {}); got.pop("version", None)
+    assert got == want, f"index.ipynb language_info {got!r} != {want!r}"
