@@ -12,9 +12,11 @@ import torch
 from tqdm.auto import tqdm
 
 # %% auto #0
-__all__ = ['ENV_SHARED', 'TOKENIZER', 'GPT2_BPE_FILES', 'SPLITS', 'HUB_DEFAULT', 'Part', 'META_VERSION', 'shared_data_dir',
-           'get_tokenizer', 'split_name', 'prepare_cmd', 'resolve_source', 'local_plan', 'hub_plan', 'load_meta',
-           'prepare_eurlex', 'open_split', 'TokenData', 'batch_starts', 'get_batch', 'prepare_cli', 'unigram_baseline']
+__all__ = ['ENV_SHARED', 'TOKENIZER', 'GPT2_BPE_FILES', 'SPLITS', 'HUB_DEFAULT', 'Part', 'META_VERSION', 'VOCAB_FILE',
+           'shared_data_dir', 'get_tokenizer', 'split_name', 'prepare_cmd', 'resolve_source', 'local_plan', 'hub_plan',
+           'load_meta', 'prepare_eurlex', 'open_split', 'TokenData', 'batch_starts', 'get_batch', 'build_vocab',
+           'remap_table', 'vocab_dir', 'prepare_vocab', 'load_vocab', 'vocab_info', 'data_for_vocab', 'prepare_cli',
+           'unigram_baseline']
 
 # %% ../nbs/10_data.ipynb #874e91d4
 ENV_SHARED = "ALTGRAD_SHARED_DATA"
@@ -252,7 +254,7 @@ def open_split(data_dir: str | Path, split: str) -> np.memmap:
     return np.memmap(f, dtype=np.uint16, mode="r")
 
 class TokenData:
-    "The prepared splits of one folder: `td['train']` is a read-only uint16 memmap."
+    "The prepared splits of one folder: `td['train']` is a read-only uint16 memmap of ids `< n_vocab` (vocabulary `vocab`)."
     def __init__(self, data_dir: str | Path):
         self.dir = Path(data_dir); self.meta = load_meta(self.dir); self._maps = {}
     @property
@@ -261,6 +263,8 @@ class TokenData:
     def n_vocab(self) -> int: return self.meta["tokenizer"]["n_vocab"]
     @property
     def eot_token(self) -> int: return self.meta["tokenizer"]["eot_token"]
+    @property
+    def vocab(self) -> str: return self.meta["tokenizer"].get("vocab", self.meta["tokenizer"]["name"])
     def __getitem__(self, split: str) -> np.memmap:
         s = split_name(split) or split
         if s not in self._maps: self._maps[s] = open_split(self.dir, s)
@@ -285,9 +289,109 @@ def get_batch(data, block_size: int, batch_size: int, device="cpu", generator: t
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
 
+# %% ../nbs/10_data.ipynb #100b0044
+VOCAB_FILE = "vocab.json"
+
+def _check_K(K) -> int:
+    if isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 2:
+        raise ValueError(f"vocab K must be an int >= 2 (K-1 kept ids + the class 'other'), got {K!r}")
+    return int(K)
+
+def build_vocab(train, K: int, n_vocab: int) -> dict:
+    "The top-`K` vocabulary of a train split: its `K-1` most frequent ids -> dense ids `0..K-2` (rank order), all else -> `K-1` ('other')."
+    K = _check_K(K)
+    counts = np.bincount(np.asarray(train), minlength=n_vocab)
+    if len(counts) > n_vocab: raise ValueError(f"train holds token ids >= n_vocab={n_vocab}; re-prepare with --force")
+    distinct = int((counts > 0).sum())
+    if K - 1 > distinct:
+        raise ValueError(f"vocab K={K} would keep {K - 1} ids but the train split has only {distinct} distinct ids; "
+                         f"use K <= {distinct + 1} or the full vocabulary")
+    ids = np.argsort(-counts, kind="stable")[:K - 1]       # stable: equal counts keep the smaller id first
+    kept, total = counts[ids], int(counts.sum())
+    return dict(K=K, other=K - 1, tokenizer=TOKENIZER, n_vocab=int(n_vocab), ids=ids.tolist(),
+                counts=[*kept.tolist(), total - int(kept.sum())], distinct_train_ids=distinct, train_tokens=total,
+                coverage={"train": float(kept.sum() / total)})
+
+def remap_table(vocab: dict) -> np.ndarray:
+    "uint16 lookup table over all 2**16 ids: GPT-2 id -> dense id (`vocab['other']` outside the vocabulary)."
+    t = np.full(2**16, vocab["other"], np.uint16)
+    t[np.asarray(vocab["ids"], np.int64)] = np.arange(len(vocab["ids"]), dtype=np.uint16)
+    return t
+
+# %% ../nbs/10_data.ipynb #e6b36a1b
+def vocab_dir(base_dir: str | Path, K: int) -> Path:
+    "The default folder of the top-`K` vocabulary of `base_dir`: `<base_dir>-top<K>` beside it."
+    b = Path(base_dir)
+    return b.with_name(f"{b.name}-top{K}")
+
+def prepare_vocab(base_dir: str | Path, K: int, out_dir: str | Path | None = None, force: bool = False, verify: bool = False) -> dict:
+    "Remap the GPT-2 data of `base_dir` to its top-`K` vocabulary (`build_vocab` on train) in `out_dir` (default `vocab_dir`)."
+    K, base = _check_K(K), TokenData(base_dir)
+    if "vocab" in base.meta["tokenizer"]:
+        raise ValueError(f"{base_dir} already holds the compact vocabulary {base.vocab!r}; give the folder prepared with the full GPT-2 vocabulary")
+    out = Path(out_dir) if out_dir is not None else vocab_dir(base_dir, K)
+    if out.resolve() == base.dir.resolve(): raise ValueError(f"out_dir must differ from base_dir ({base_dir})")
+    want = {"version": META_VERSION, "source": base.meta["source"], "max_docs": base.meta.get("max_docs"),
+            "vocab_of": {"K": K, "base_sha256": {s: v["sha256"] for s, v in base.meta["splits"].items()}}}
+    ready = lambda: (out/VOCAB_FILE).is_file() and _prepared(out, want, verify)
+    if not force and (meta := ready()): return {**meta, "cached": True}
+    out.mkdir(parents=True, exist_ok=True)
+    with _folder_lock(out):
+        if not force and (meta := ready()): return {**meta, "cached": True}
+        return _remap_into(out, base, K, want)
+
+def _remap_into(out: Path, base: TokenData, K: int, want: dict, chunk: int = 1 << 22) -> dict:
+    t0, voc = time.perf_counter(), build_vocab(base["train"], K, base.n_vocab)
+    table = remap_table(voc)
+    (out/"meta.json").unlink(missing_ok=True)         # invalidate first, as in prepare_eurlex
+    tmps, stats = {s: out/f".{s}.bin.tmp" for s in base.splits}, {}
+    try:
+        for s in base.splits:
+            src, h, other = base[s], hashlib.sha256(), 0
+            with open(tmps[s], "wb") as f:
+                for i in range(0, len(src), chunk):
+                    a = table[src[i:i + chunk]]; f.write(a.tobytes()); h.update(a.tobytes()); other += int((a == voc["other"]).sum())
+            stats[s] = {**base.meta["splits"][s], "file": f"{s}.bin", "sha256": h.hexdigest()}
+            voc["coverage"][s] = 1 - other / max(len(src), 1)
+        for s in base.splits: os.replace(tmps[s], out/f"{s}.bin")
+    finally:
+        for t in tmps.values(): t.unlink(missing_ok=True)
+    for s in SPLITS:
+        if s not in base.splits: (out/f"{s}.bin").unlink(missing_ok=True)
+    (out/VOCAB_FILE).write_text(json.dumps({**voc, "base": str(base.dir)}))
+    tok = {**base.meta["tokenizer"], "n_vocab": K, "eot_token": int(table[base.eot_token]), "vocab": f"{TOKENIZER}-top{K}", "mapping": VOCAB_FILE}
+    meta = {**base.meta, **want, "tokenizer": tok, "splits": stats, "coverage": voc["coverage"], "base_dir": str(base.dir),
+            "seconds": round(time.perf_counter() - t0, 3)}
+    meta.pop("tokens_per_s", None)
+    (out/".meta.json.tmp").write_text(json.dumps(meta, indent=1))
+    os.replace(out/".meta.json.tmp", out/"meta.json")
+    return {**meta, "cached": False}
+
+def load_vocab(data_dir: str | Path) -> dict | None:
+    "The `vocab.json` of a prepared folder with a compact vocabulary; None for the full GPT-2 vocabulary."
+    tok = load_meta(data_dir)["tokenizer"]
+    return json.loads((Path(data_dir)/tok["mapping"]).read_text()) if "mapping" in tok else None
+
+def vocab_info(data_dir: str | Path) -> dict:
+    "Which vocabulary a prepared folder uses: its name, its size (the model's classes) and the coverage of each split."
+    meta = load_meta(data_dir); tok = meta["tokenizer"]
+    return dict(name=tok.get("vocab", tok["name"]), size=tok["n_vocab"], coverage=meta.get("coverage"))
+
+# %% ../nbs/10_data.ipynb #ce1e724b
+def data_for_vocab(data_dir: str | Path, vocab_size: int) -> Path:
+    "The prepared folder a model with `vocab_size` classes reads: `data_dir` when its vocabulary fits, else its top-`vocab_size` one."
+    td = TokenData(data_dir)
+    if "mapping" not in td.meta["tokenizer"]:                    # the full GPT-2 vocabulary
+        if vocab_size >= td.n_vocab: return td.dir
+        prepare_vocab(td.dir, vocab_size)
+        return vocab_dir(td.dir, vocab_size)
+    if vocab_size == td.n_vocab: return td.dir
+    raise ValueError(f"vocab_size={vocab_size} does not match the compact vocabulary {td.vocab!r} of {data_dir} ({td.n_vocab} classes); "
+                     f"use vocab_size={td.n_vocab}, or the full-vocabulary folder {td.meta.get('base_dir')} for another size")
+
 # %% ../nbs/10_data.ipynb #4b01d768
 def prepare_cli(argv: list[str] | None = None) -> int:
-    "Console script: `altgrad-prepare --source SOURCE --out DIR [--max-docs N] [--force]`."
+    "Console script: `altgrad-prepare --source SOURCE --out DIR [--max-docs N] [--vocab K [--vocab-out DIR2]] [--force]`."
     p = argparse.ArgumentParser(prog="altgrad-prepare", description="Tokenize EurLex with GPT-2 BPE into uint16 train/val/test .bin files + meta.json.")
     p.add_argument("--source", default=None, help=f"folder of *.jsonl/*.parquet with a 'text' field, or a Hub id name[:config] "
                    f"(default: shared/data/eurlex if found, else {HUB_DEFAULT})")
@@ -297,19 +401,30 @@ def prepare_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     p.add_argument("--verify", action="store_true", help="also check the sha256 of existing files")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--vocab", type=int, default=None, metavar="K", help="also write the top-K vocabulary of the train split "
+                   "(K-1 most frequent GPT-2 ids + one class 'other') into its own folder; default: full GPT-2 vocabulary only")
+    p.add_argument("--vocab-out", default=None, help="folder of the --vocab data (default: OUT-topK beside OUT)")
     a = p.parse_args(argv)
-    try: m = prepare_eurlex(a.out, a.source, a.max_docs, a.num_threads, a.force, a.verify, progress=not a.quiet)
+    if a.vocab_out is not None and a.vocab is None: p.error("--vocab-out needs --vocab K")
+    try:
+        m = prepare_eurlex(a.out, a.source, a.max_docs, a.num_threads, a.force, a.verify, progress=not a.quiet)
+        mv = prepare_vocab(a.out, a.vocab, a.vocab_out, a.force, a.verify) if a.vocab is not None else None
     except (FileNotFoundError, KeyError, TypeError, ValueError, RuntimeError) as e:   # bad source or tokenizer: say how to fix it
         print(f"altgrad-prepare: error: {e}", file=sys.stderr); return 2
     parts = ", ".join(f"{s} {v['tokens']:,} tokens ({v['docs']:,} docs)" for s, v in m["splits"].items())
     total = sum(v["tokens"] for v in m["splits"].values())
     how = "already prepared, nothing to do" if m["cached"] else f"{total:,} tokens in {m['seconds']:.2f} s = {m['tokens_per_s']:,.0f} tokens/s"
     print(f"altgrad-prepare: {a.out}: {parts}; {how}")
+    if mv is not None:
+        cov = ", ".join(f"{s} {c:.1%}" for s, c in mv["coverage"].items())
+        print(f"altgrad-prepare: {a.vocab_out or vocab_dir(a.out, a.vocab)}: vocabulary {mv['tokenizer']['vocab']} "
+              f"({a.vocab - 1:,} GPT-2 ids + 'other') covers {cov} of the tokens"
+              + ("; already prepared, nothing to do" if mv["cached"] else ""))
     return 0
 
 # %% ../nbs/10_data.ipynb #5ba3df5a
 def unigram_baseline(data_dir: str | Path) -> float:
-    "Val cross-entropy (nats/token) of the add-one-smoothed train unigram distribution."
+    "Val cross-entropy (nats/token) of the add-one-smoothed train unigram distribution, over the folder's vocabulary (`TokenData.n_vocab`)."
     td = TokenData(data_dir); V = td.n_vocab
     counts = np.bincount(td["train"], minlength=V).astype(np.float64)
     if len(counts) > V: raise ValueError(f"{data_dir}: train holds token ids >= n_vocab={V}; re-prepare with --force")

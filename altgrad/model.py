@@ -124,6 +124,26 @@ def estimate_flops_per_token(self: GPT, seq_len: int | None = None) -> int:
     c, T = self.config, self.config.block_size if seq_len is None else seq_len
     return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * T
 
+# %% ../nbs/11_model.ipynb #d56badc0
+@patch
+def compute_split(self: GPT, seq_len: int | None = None, eight_bit=None) -> dict:
+    "Parameters and training matmul FLOPs per token (forward + backward) in the 8-bit linear layers versus the rest."
+    c, T = self.config, self.config.block_size if seq_len is None else seq_len
+    lin = {n: m for n, m in self.named_modules() if isinstance(m, nn.Linear)}
+    if eight_bit is None:
+        eight_bit = [n for n, m in lin.items() if type(m) is not nn.Linear] or \
+                    [n for n, m in lin.items() if m.weight is not self.transformer.wte.weight]
+    eight_bit = list(eight_bit)
+    if bad := [n for n in eight_bit if n not in lin]:
+        raise ValueError(f"[altgrad] eight_bit names {bad} are not linear layers of this GPT; valid: {', '.join(lin)}")
+    p8 = sum(lin[n].weight.numel() for n in eight_bit)
+    f8 = sum(6 * lin[n].weight.numel() for n in eight_bit)
+    f_lin = sum(6 * m.weight.numel() for n, m in lin.items() if n not in eight_bit)   # the head and any high-precision linear
+    f_att = 12 * c.n_layer * c.n_embd * T
+    p_all, f_all = self.num_params(non_embedding=False), f8 + f_lin + f_att
+    return dict(layers_8bit=eight_bit, params_8bit=p8, params_total=p_all, param_share=p8 / p_all,
+                flops_8bit=f8, flops_other_linear=f_lin, flops_attention=f_att, flops_total=f_all, flop_share=f8 / f_all)
+
 # %% ../nbs/11_model.ipynb #47756af9
 @patch
 def configure_optimizers(self: GPT, weight_decay: float, learning_rate: float, betas=(0.9, 0.95), device_type: str = "cpu"):
