@@ -1,4 +1,4 @@
-"System tests of the multi-seed study (altgrad.study) on the smoke preset: two shards plus --collect, the CLI, papermill."
+"System tests of the multi-seed study (altgrad.study, written up by altgrad.answer) on the smoke preset: two shards plus --collect, the CLI, resume, papermill."
 import contextlib, io, json, os, shutil, subprocess, sys
 from pathlib import Path
 import pytest
@@ -39,8 +39,7 @@ def names(folder) -> set:
 
 def check_numbers(out: Path) -> dict:
     "Every run number in study.json equals what its run folder says; every cell statistic follows from them."
-    from altgrad.report import load_run
-    from altgrad.study import final_loss
+    from altgrad.runs import load_run, final_loss
     st = json.loads((out / "study.json").read_text())
     for name, rec in st["runs"].items():
         run = load_run(out / rec["dir"])
@@ -161,8 +160,7 @@ def test_lr_phase_across_shards(study, tmp_path):
     choice = json.loads((out / "lr_choice.json").read_text())
     extra = 0 if choice["mults"]["fp32"] == 1.0 else 4      # the references again at FP32 master weights' x3 (2 seeds x 2)
     assert rc == 0 and f"{2 + extra} runs missing" in log, log[-2000:]
-    from altgrad.report import load_run
-    from altgrad.study import final_loss
+    from altgrad.runs import load_run, final_loss
     for rule in ("fp32", "nearest"):
         l1, l3 = (final_loss(load_run(out / "runs" / f"E4M3-{rule}-x{m}-s42")) for m in ("1", "3"))
         assert choice["mults"][rule] == (1.0 if l1 <= l3 else 3.0), (rule, l1, l3)
@@ -182,3 +180,33 @@ def test_lr_phase_across_shards(study, tmp_path):
     assert st["complete"] and st["lr_choice"]["mults"] == choice["mults"]
     for rule, m in choice["mults"].items():
         assert (out / "runs" / f"E4M3-{rule}-x{m:g}-s43").is_dir()
+
+
+def test_interrupted_run_resumes(study, tmp_path, monkeypatch):
+    """An interrupted run of the same config (a step checkpoint, summary `stopped_reason='interrupted'`: what the trainer leaves
+    at SIGINT/SIGTERM) is resumed from its checkpoint, never retrained or deleted, and ends where the uninterrupted run ended;
+    an interrupted study says in one line how to resume."""
+    import altgrad.study as S
+    from altgrad.runs import load_run, final_loss
+    out, data, name = tmp_path / "study", study["data"], "E4M3-kahan-x1-s43"
+    shutil.copytree(study["out"], out, ignore=shutil.ignore_patterns("answer.md", "study.json", "figures"))
+    want = final_loss(load_run(out / "runs" / name))
+    shutil.rmtree(out / "runs" / name)
+    plan = S.make_plan("smoke", "E4M3,E7M0", "nearest,kahan", "42,43", 6, "1")
+    cfg = S.spec_config(plan, S.format_spec("E4M3", "kahan", 43, 1.0), out, data)
+    t = S.Trainer(cfg, progress=False); t.fit(until=3); t.save_checkpoint()
+    sj = out / "runs" / name / "summary.json"
+    sj.write_text(json.dumps({**json.loads(sj.read_text()), "stopped_reason": "interrupted"}))
+    assert S.resumable(out / "runs" / name, cfg)
+    rc, log = inproc(*ARGS, "--data-dir", data, "--out", out)
+    assert rc == 0 and f"{name}: resuming the interrupted run" in log and f"{N_RUNS - 1} reused, 1 trained" in log, log[-3000:]
+    run = load_run(out / "runs" / name)
+    assert final_loss(run) == want and run.summary["stopped_reason"] == "max_steps", (final_loss(run), want)
+    assert not any((out / "runs" / name).glob("checkpoints*")) and not (out / "runs" / name / "_previous").exists()
+    # an interrupt during the study: one line on how to resume, exit code 130, the finished runs kept
+    shutil.rmtree(out / "runs" / name)
+    def interrupted(*a, **k): raise KeyboardInterrupt
+    monkeypatch.setattr(S, "train_spec", interrupted)
+    rc, log = inproc(*ARGS, "--data-dir", data, "--out", out)
+    assert rc == 130 and f"interrupted during {name}" in log and "rerun the same command to resume" in log, log[-2000:]
+    assert len(names(out)) == N_RUNS - 1
