@@ -8,6 +8,8 @@ import json, math, os, random, re, shutil, time, uuid, warnings
 from pathlib import Path
 import numpy as np
 import torch
+from fastcore.basics import patch
+from .tracking import notice
 
 # %% auto #0
 __all__ = ['INDEX_NAME', 'BEST_NAME', 'atomic_save', 'atomic_write_text', 'is_temp_file', 'capture_rng_state',
@@ -73,11 +75,11 @@ def restore_rng_state(state: dict, generators: dict[str, torch.Generator] | None
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
         n = torch.cuda.device_count()
-        if len(cuda) != n: warnings.warn(f"checkpoint has CUDA RNG states for {len(cuda)} devices, this machine has {n}; restoring the first {min(n, len(cuda))}")
+        if len(cuda) != n: notice(f"checkpoint has CUDA RNG states for {len(cuda)} devices, this machine has {n}; restoring the first {min(n, len(cuda))}")
         for i, s in enumerate(cuda[:n]): torch.cuda.set_rng_state(s.cpu(), i)
     for name, g in (generators or {}).items():
         saved = state.get("generators", {}).get(name)
-        if saved is None: warnings.warn(f"no saved state for generator {name!r}; left as is")
+        if saved is None: notice(f"no saved state for generator {name!r}; left as is")
         else: g.set_state(saved.cpu())
 
 # %% ../nbs/16_checkpoint.ipynb #e4def930
@@ -130,11 +132,12 @@ class CheckpointManager:
         self.best_step = d.get("best_step")
 
 # %% ../nbs/16_checkpoint.ipynb #7b2dffbb
+@patch
 def _read_index(self: CheckpointManager):
     try: idx = json.loads(self.index_path.read_text())
     except FileNotFoundError: return
     except (OSError, ValueError) as e:
-        warnings.warn(f"{self.index_path} is unreadable ({e}); rebuilding from the folder"); return
+        notice(f"{self.index_path} is unreadable ({e}); rebuilding from the folder"); return
     for e in idx.get("checkpoints", []):
         e = dict(e); e["val_loss"] = _fnum(e.get("val_loss")); self.entries[e["file"]] = e
     self.best = idx.get("best")
@@ -142,6 +145,7 @@ def _read_index(self: CheckpointManager):
     self.best_val_loss = _fnum(idx.get("best_val_loss")) if idx.get("best_val_loss") is not None else math.inf
     self.best_step = idx.get("best_step")
 
+@patch
 def _scan(self: CheckpointManager):
     on_disk = {p.name for p in self.dir.glob("*.pt")}
     for name in list(self.entries):
@@ -153,6 +157,7 @@ def _scan(self: CheckpointManager):
         elif t: self.entries[name] = dict(file=name, step=int(t.group(2)), val_loss=None, tag=t.group(1), size=None, time=None)
     if self.best is not None and BEST_NAME not in on_disk: self.best = None
 
+@patch
 def _write_index(self: CheckpointManager):
     enc = lambda e: {**e, "val_loss": _jnum(e.get("val_loss"))}
     regular = self.regular()
@@ -164,11 +169,13 @@ def _write_index(self: CheckpointManager):
            "checkpoints": [enc(e) for e in sorted(self.entries.values(), key=lambda e: (e["step"], e["tag"] or ""))]}
     atomic_write_text(json.dumps(idx, indent=1), self.index_path)
 
-def _regular(self: CheckpointManager) -> list[dict]:
+@patch
+def regular(self: CheckpointManager) -> list[dict]:
     "Regular (untagged) checkpoint entries, oldest first."
     return sorted((e for e in self.entries.values() if e["tag"] is None), key=lambda e: e["step"])
 
-def _clean_temp(self: CheckpointManager) -> list[Path]:
+@patch
+def clean_temp(self: CheckpointManager) -> list[Path]:
     "Delete temporaries left by writers that are no longer running; returns what was removed."
     removed = []
     for p in self.dir.iterdir():
@@ -182,9 +189,6 @@ def _clean_temp(self: CheckpointManager) -> list[Path]:
         elif p.stat().st_mtime > time.time() - 3600: continue  # ours and recent: possibly in flight
         p.unlink(missing_ok=True); removed.append(p)
     return removed
-
-CheckpointManager._read_index, CheckpointManager._scan, CheckpointManager._write_index = _read_index, _scan, _write_index
-CheckpointManager.regular, CheckpointManager.clean_temp = _regular, _clean_temp
 
 # %% ../nbs/16_checkpoint.ipynb #6494d668
 def _link_or_copy(src: Path, dst: Path):
@@ -200,7 +204,8 @@ def _link_or_copy(src: Path, dst: Path):
         tmp.unlink(missing_ok=True); raise
     _fsync_dir(dst.parent)
 
-def _save(self: CheckpointManager, step: int, state: dict, val_loss: float | None = None, tag: str | None = None) -> Path:
+@patch
+def save(self: CheckpointManager, step: int, state: dict, val_loss: float | None = None, tag: str | None = None) -> Path:
     "Save `state` for `step`; update `best.pt` when `val_loss` improves; rotate; returns the checkpoint's path."
     step = int(step)
     if tag is not None and not re.fullmatch(r"[A-Za-z0-9-]+", str(tag)):
@@ -222,10 +227,10 @@ def _save(self: CheckpointManager, step: int, state: dict, val_loss: float | Non
     self._write_index()
     for n in drop: (self.dir / n).unlink(missing_ok=True)
     return path
-CheckpointManager.save = _save
 
 # %% ../nbs/16_checkpoint.ipynb #8fcf8ec9
-def _load(self: CheckpointManager, path: str | os.PathLike, map_location="cpu") -> dict:
+@patch
+def load(self: CheckpointManager, path: str | os.PathLike, map_location="cpu") -> dict:
     "Load one checkpoint (raises `CorruptCheckpoint` if it is truncated or unreadable)."
     path = Path(path)
     if not path.is_absolute() and not path.exists(): path = self.dir / path
@@ -238,27 +243,27 @@ def _load(self: CheckpointManager, path: str | os.PathLike, map_location="cpu") 
     if not isinstance(state, dict): raise CorruptCheckpoint(f"{path}: expected a dict, got {type(state).__name__}")
     return state
 
+@patch
 def _candidates(self: CheckpointManager) -> list[Path]:
     self._scan()
     c = [self.dir / e["file"] for e in reversed(self.regular())]
     if (self.dir / BEST_NAME).exists(): c.append(self.dir / BEST_NAME)
     return c
 
-def _load_latest(self: CheckpointManager, map_location="cpu", with_info: bool = False):
+@patch
+def load_latest(self: CheckpointManager, map_location="cpu", with_info: bool = False):
     "(state, path) of the newest readable checkpoint, else (None, None); `with_info=True` adds {'skipped': [(path, why)]}."
     self.skipped = []
     for path in self._candidates():
         try: state = self.load(path, map_location=map_location)
         except (CorruptCheckpoint, OSError) as e:
-            warnings.warn(f"skipping unreadable checkpoint {path}: {e}")
+            notice(f"skipping unreadable checkpoint {path}: {e}")
             self.skipped.append((path, str(e))); continue
         return (state, path, {"skipped": list(self.skipped)}) if with_info else (state, path)
     return (None, None, {"skipped": list(self.skipped)}) if with_info else (None, None)
 
-def _latest_path(self: CheckpointManager) -> Path | None:
+@patch
+def latest_path(self: CheckpointManager) -> Path | None:
     "Path of the newest regular checkpoint according to the index and folder (not checked for readability)."
     r = self.regular()
     return self.dir / r[-1]["file"] if r else None
-
-CheckpointManager.load, CheckpointManager._candidates = _load, _candidates
-CheckpointManager.load_latest, CheckpointManager.latest_path = _load_latest, _latest_path

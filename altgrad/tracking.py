@@ -10,13 +10,32 @@ from pathlib import Path
 from typing import Callable, Iterator
 import numpy as np
 import torch
+from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['METRICS_JSONL', 'METRICS_COMPACT', 'DEFAULT_COOLDOWNS', 'to_python', 'encode_json', 'decode_json', 'read_metrics',
-           'write_metrics_compact', 'compact_info', 'read_metrics_compact', 'metrics_file', 'same_records',
-           'compact_metrics', 'read_wandb_records', 'wandb_log_complete', 'wait_for_wandb_log', 'wandb_run_files',
-           'read_wandb_history', 'read_wandb_alerts', 'read_wandb_run_ids', 'wandb_logged_in', 'resolve_wandb_mode',
-           'Tracker', 'read_alerts', 'find_breaches', 'NullTracker']
+__all__ = ['METRICS_JSONL', 'METRICS_COMPACT', 'DEFAULT_COOLDOWNS', 'COMPACT_COLUMNS', 'LAYER_COLUMNS', 'AltgradNotice', 'notice',
+           'to_python', 'encode_json', 'decode_json', 'read_metrics', 'write_metrics_compact', 'compact_info',
+           'read_metrics_compact', 'metrics_file', 'same_records', 'compact_metrics', 'read_wandb_records',
+           'wandb_log_complete', 'wait_for_wandb_log', 'wandb_run_files', 'read_wandb_history', 'read_wandb_alerts',
+           'read_wandb_run_ids', 'wandb_logged_in', 'resolve_wandb_mode', 'Tracker', 'read_alerts', 'find_breaches',
+           'truncate_records', 'NullTracker', 'compact_columns', 'compact_run']
+
+# %% ../nbs/15_tracking.ipynb #9f09be1b
+class AltgradNotice(UserWarning):
+    "A one-line notice from altgrad: shown as `[altgrad] message` on stderr, without a source line."
+
+_showwarning = warnings.showwarning
+
+def _show_notice(message, category, filename, lineno, file=None, line=None):
+    if not issubclass(category, AltgradNotice): return _showwarning(message, category, filename, lineno, file, line)
+    try: (file or sys.stderr).write(f"[altgrad] {message}\n")
+    except (OSError, ValueError): pass
+
+warnings.showwarning = _show_notice
+
+def notice(msg: str):
+    "Tell the user `msg` in one clean line on stderr (`[altgrad] msg`)."
+    warnings.warn(str(msg), AltgradNotice, stacklevel=2)
 
 # %% ../nbs/15_tracking.ipynb #e39ad7c7
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -59,7 +78,7 @@ def _read_jsonl(path: Path) -> list[dict]:
         if not line.strip(): continue
         try: out.append(decode_json(json.loads(line)))
         except json.JSONDecodeError:
-            if i == len(lines) - 1: warnings.warn(f"{path}: skipping a truncated last line (run interrupted mid-write?)")
+            if i == len(lines) - 1: notice(f"{path}: skipping a truncated last line (run interrupted mid-write?)")
             else: raise
     return out
 
@@ -100,8 +119,9 @@ def _column(vals: list):
     if kinds == {str}: return pa.array([None if v is _ABSENT else v for v in vals], pa.string()), False
     return pa.array([None if v is _ABSENT else json.dumps(encode_json(v), allow_nan=False) for v in vals], pa.string()), True
 
-def write_metrics_compact(records: list[dict], path: str | os.PathLike, source_bytes: int | None = None) -> Path:
-    "Write `records` (as `read_metrics` returns them) to a zstd Parquet file at `path` (atomically); see above."
+def write_metrics_compact(records: list[dict], path: str | os.PathLike, source_bytes: int | None = None,
+                          meta: dict | None = None) -> Path:
+    "Write `records` (as `read_metrics` returns them) to a zstd Parquet file at `path` (atomically); `meta`: extra metadata."
     import pyarrow as pa, pyarrow.parquet as pq
     path = Path(path)
     keys = list(dict.fromkeys(k for r in records for k in r))
@@ -109,10 +129,13 @@ def write_metrics_compact(records: list[dict], path: str | os.PathLike, source_b
     for k in keys:
         cols[k], is_json = _column([r.get(k, _ABSENT) for r in records])
         if is_json: json_cols.append(k)
-    meta = dict(version=1, records=len(records), json=json_cols, source_bytes=source_bytes)
-    table = pa.table(cols).replace_schema_metadata({_META_KEY: json.dumps(meta).encode()})
+    meta = dict(version=1, records=len(records), json=json_cols, source_bytes=source_bytes, **(meta or {}))
+    table = pa.table(cols)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp, compression="zstd", compression_level=9, use_dictionary=False, write_statistics=False)
+    # no Arrow schema copy (store_schema=False: ~15 KB of a ~60 KB file); the metadata goes in the footer directly
+    with pq.ParquetWriter(tmp, table.schema, compression="zstd", compression_level=9, use_dictionary=False,
+                          write_statistics=False, store_schema=False) as w:
+        w.write_table(table); w.add_key_value_metadata({_META_KEY: json.dumps(meta).encode()})
     os.replace(tmp, path)
     return path
 
@@ -122,6 +145,9 @@ def compact_info(path: str | os.PathLike) -> dict:
     md = pq.read_schema(path).metadata or {}
     if _META_KEY not in md: raise ValueError(f"{path} is not an altgrad compact metrics file (no {_META_KEY.decode()} metadata)")
     return json.loads(md[_META_KEY])
+
+def _extra_meta(path) -> dict:
+    return {k: v for k, v in compact_info(path).items() if k not in ("version", "records", "json", "source_bytes")}
 
 def read_metrics_compact(path: str | os.PathLike) -> list[dict]:
     "Records of a compact metrics file, identical to those of the JSONL it was made from."
@@ -204,9 +230,9 @@ def read_wandb_records(path: str | os.PathLike, tail_blocks: int | None = None) 
         crc, n, kind = struct.unpack("<IHB", data[i:i + _WB_HEADER])
         if crc == 0 and n == 0 and kind == 0: i += left; continue  # zero padding
         chunk = data[i + _WB_HEADER:i + _WB_HEADER + n]
-        if len(chunk) < n: warnings.warn(f"{path}: truncated record at byte {i + off} (run still open or killed?)"); return
+        if len(chunk) < n: notice(f"{path}: truncated record at byte {i + off} (run still open or killed?)"); return
         if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
-            warnings.warn(f"{path}: checksum mismatch at byte {i + off}; stopping"); return
+            notice(f"{path}: checksum mismatch at byte {i + off}; stopping"); return
         i += _WB_HEADER + n
         if partial and kind in (3, 4): continue   # the rest of a record that began before the tail
         partial = False
@@ -327,7 +353,7 @@ class Tracker:
         self.resumed = False
         if run_id is None and resume:
             run_id = self._saved_run_id()
-            if run_id is None: warnings.warn(f"resume=True but {self.run_dir / 'tracker.json'} has no run id; starting a new run")
+            if run_id is None: notice(f"resume=True but {self.run_dir / 'tracker.json'} has no run id; starting a new run")
         self.resumed = run_id is not None
         self.requested_mode = mode
         self.mode = resolve_wandb_mode(mode)
@@ -346,12 +372,12 @@ class Tracker:
     def _archive_old_logs(self):
         "A new (not resumed) run in a used folder: move the previous run's metric files aside instead of mixing them."
         old_id = self._saved_run_id() or time.strftime("%Y%m%d_%H%M%S")
-        for stem, ext in (("metrics", "jsonl"), ("alerts", "jsonl"), ("metrics", "parquet")):
+        for stem, ext in (("metrics", "jsonl"), ("alerts", "jsonl"), ("metrics", "parquet"), ("alerts", "parquet")):
             p = self.run_dir / f"{stem}.{ext}"
             if p.exists() and p.stat().st_size:
                 dst = self.run_dir / f"{stem}.{old_id}.{ext}"
                 if dst.exists(): dst = self.run_dir / f"{stem}.{old_id}.{_new_id()}.{ext}"
-                os.replace(p, dst); warnings.warn(f"{p} belonged to an earlier run; moved to {dst.name}")
+                os.replace(p, dst); notice(f"{p} belonged to an earlier run; moved to {dst.name}")
 
     def _save_meta(self):
         meta = dict(run_id=self.run_id, project=self.project, name=self.name, mode=self.mode,
@@ -363,7 +389,7 @@ class Tracker:
         if self.mode == "disabled": return None
         try: import wandb
         except ImportError:
-            warnings.warn("wandb is not installed; logging only to metrics.jsonl"); self.mode = "disabled"; return None
+            notice("wandb is not installed; logging only to metrics.jsonl"); self.mode = "disabled"; return None
         for mode in ((self.mode, "offline") if self.mode == "online" else (self.mode,)):
             try:
                 settings = wandb.Settings(**{**dict(silent=True, quiet=True, console="off", reinit="create_new",
@@ -371,12 +397,12 @@ class Tracker:
                 run = wandb.init(dir=str(self.run_dir), project=self.project, name=self.name, tags=self.tags or None,
                                  config=self.config, mode=mode, id=run_id, resume="allow" if run_id else None,
                                  settings=settings)
-                if mode != self.mode: warnings.warn(f"W&B mode {self.mode!r} failed; using {mode!r}")
+                if mode != self.mode: notice(f"W&B mode {self.mode!r} failed; using {mode!r}")
                 self.mode = mode
                 return run
             except Exception as e:
-                warnings.warn(f"wandb.init(mode={mode!r}) failed: {type(e).__name__}: {e}")
-        warnings.warn("W&B unavailable; logging only to metrics.jsonl"); self.mode = "disabled"
+                notice(f"wandb.init(mode={mode!r}) failed: {type(e).__name__}: {e}")
+        notice("W&B unavailable; logging only to metrics.jsonl"); self.mode = "disabled"
         return None
 
     @property
@@ -386,7 +412,7 @@ class Tracker:
         except Exception: return None
 
     def _warn_once(self, key, msg):
-        if key not in self._warned: self._warned.add(key); warnings.warn(msg)
+        if key not in self._warned: self._warned.add(key); notice(msg)
 
     def __repr__(self): return f"Tracker(run_id={self.run_id!r}, mode={self.mode!r}, run_dir='{self.run_dir}')"
 
@@ -397,7 +423,8 @@ def _wandb_value(v, py):
     if isinstance(v, np.ndarray) and v.size > 1: return v
     return py
 
-def _log(self: Tracker, metrics: dict, step: int):
+@patch
+def log(self: Tracker, metrics: dict, step: int):
     "Log `metrics` at `step` to W&B and append `{'step': step, **metrics}` to `metrics.jsonl`."
     if self._finished: raise RuntimeError("Tracker.log after finish()")
     step = int(step)
@@ -411,32 +438,34 @@ def _log(self: Tracker, metrics: dict, step: int):
         wb = {str(k): _wandb_value(v, py[str(k)]) for k, v in metrics.items()}
         try: self.run.log(wb, step=step)
         except Exception as e: self._warn_once("log", f"wandb log failed ({type(e).__name__}: {e}); continuing with metrics.jsonl")
-Tracker.log = _log
 
 # %% ../nbs/15_tracking.ipynb #bf4d6942
-def _finish(self: Tracker, exit_code: int | None = None):
+@patch
+def finish(self: Tracker, exit_code: int | None = None):
     "Close the JSONL files, write the compact `metrics.parquet` and finish the W&B run (idempotent)."
     if self._finished: return
     self._finished = True
     for f in (self._metrics_f, self._alerts_f): f.close()
     if self.compact and (self.run_dir / METRICS_JSONL).stat().st_size:
         try: compact_metrics(self.run_dir)
-        except Exception as e: warnings.warn(f"could not write {METRICS_COMPACT} ({type(e).__name__}: {e}); {METRICS_JSONL} is complete")
+        except Exception as e: notice(f"could not write {METRICS_COMPACT} ({type(e).__name__}: {e}); {METRICS_JSONL} is complete")
     if self.run is not None:
         try:
             log = Path(self.run.dir).parent / f"run-{self.run.id}.wandb"
             self.run.finish(exit_code=exit_code)
             if log.exists() and not wait_for_wandb_log(log):
-                warnings.warn(f"{log} has no exit record 60 s after wandb.finish(): the W&B log may be incomplete")
-        except Exception as e: warnings.warn(f"wandb finish failed: {type(e).__name__}: {e}")
+                notice(f"{log} has no exit record 60 s after wandb.finish(): the W&B log may be incomplete")
+        except Exception as e: notice(f"wandb finish failed: {type(e).__name__}: {e}")
 
-Tracker.finish = _finish
-Tracker.__enter__ = lambda self: self
-def _exit(self, exc_type, exc, tb): self.finish(exit_code=1 if exc_type is not None else None); return False
-Tracker.__exit__ = _exit
+@patch
+def __enter__(self: Tracker): return self
+
+@patch
+def __exit__(self: Tracker, exc_type, exc, tb): self.finish(exit_code=1 if exc_type is not None else None); return False
 
 # %% ../nbs/15_tracking.ipynb #81e03cd3
-def _alert(self: Tracker, kind: str, title: str, text: str, level: str = "WARN", step: int | None = None) -> bool:
+@patch
+def alert(self: Tracker, kind: str, title: str, text: str, level: str = "WARN", step: int | None = None) -> bool:
     "Raise an alert unless `kind` is cooling down; returns True when it was sent (always recorded in alerts.jsonl)."
     level = str(getattr(level, "value", level)).upper()
     if level not in _LEVELS: raise ValueError(f"alert level {level!r} is not one of {', '.join(_LEVELS)}")
@@ -455,12 +484,12 @@ def _alert(self: Tracker, kind: str, title: str, text: str, level: str = "WARN",
             self.run.alert(title=title, text=text, level=getattr(wandb.AlertLevel, level), wait_duration=cooldown)
         except Exception as e: self._warn_once("alert", f"wandb alert failed ({type(e).__name__}: {e}); alerts go to alerts.jsonl")
     return True
-Tracker.alert = _alert
 
 def read_alerts(path: str | os.PathLike) -> list[dict]:
-    "Records of `alerts.jsonl` (a file or the run_dir holding it)."
+    "Records of `alerts.jsonl` or `alerts.parquet` (a file, or the run_dir holding one: the JSONL if both)."
     path = Path(path)
-    if path.is_dir(): path = path / "alerts.jsonl"
+    if path.is_dir(): path = next((p for p in (path / "alerts.jsonl", path / "alerts.parquet") if p.exists()), path / "alerts.jsonl")
+    if path.suffix == ".parquet": return read_metrics_compact(path)
     return [decode_json(json.loads(l)) for l in path.read_text().splitlines() if l.strip()]
 
 # %% ../nbs/15_tracking.ipynb #12a0079e
@@ -507,12 +536,54 @@ def find_breaches(metrics: dict, cfg=None, *, bit_stall_threshold: float = 0.5, 
     if dead: add("dead_neurons", "WARN", "Dead neurons", dead, lambda v: f"{v:g}")
     return out
 
-def _check_thresholds(self: Tracker, metrics: dict, step: int, cfg=None, **kwargs) -> list[dict]:
+@patch
+def check_thresholds(self: Tracker, metrics: dict, step: int, cfg=None, **kwargs) -> list[dict]:
     "Alert on every breached threshold of `metrics` (see `find_breaches`); returns the breaches with `sent` flags."
     breaches = find_breaches(metrics, cfg, **kwargs)
     for b in breaches: b["sent"] = self.alert(b["kind"], b["title"], b["text"], level=b["level"], step=step)
     return breaches
-Tracker.check_thresholds = _check_thresholds
+
+# %% ../nbs/15_tracking.ipynb #134f0cd6
+def _keep_until(records: list[dict], step: int) -> list[dict]:
+    return [r for r in records if r.get("step") is None or r["step"] <= step]
+
+def truncate_records(run_dir: str | os.PathLike, step: int) -> dict:
+    "Drop every per-step record after `step` from the run's metrics, alerts and histograms; returns {file: records dropped}."
+    d, step, out = Path(run_dir), int(step), {}
+    j, c = d / METRICS_JSONL, d / METRICS_COMPACT
+    if j.exists():
+        recs = _read_jsonl(j); keep = _keep_until(recs, step)
+        if len(keep) < len(recs):
+            _atomic_text(j, "".join(json.dumps({**encode_json(r)}, allow_nan=False) + "\n" for r in keep)); out[j.name] = len(recs) - len(keep)
+        c.unlink(missing_ok=True)                                     # rewritten from the JSONL at finish
+    elif c.exists():
+        recs = read_metrics_compact(c); keep = _keep_until(recs, step)
+        if len(keep) < len(recs): write_metrics_compact(keep, c, meta=_extra_meta(c)); out[c.name] = len(recs) - len(keep)
+    for p in (d / "alerts.jsonl", d / "alerts.parquet"):
+        if not p.exists(): continue
+        recs = read_alerts(p); keep = _keep_until(recs, step)
+        if len(keep) == len(recs): continue
+        if p.suffix == ".jsonl": _atomic_text(p, "".join(json.dumps(encode_json(r), allow_nan=False) + "\n" for r in keep))
+        else: write_metrics_compact(keep, p)
+        out[p.name] = len(recs) - len(keep)
+    h = d / "histograms.json"
+    if h.exists():
+        data = json.loads(h.read_text()); keep = {k: v for k, v in data.items() if int(k) <= step}
+        if len(keep) < len(data): _atomic_text(h, json.dumps(keep)); out[h.name] = len(data) - len(keep)
+    return out
+
+def _atomic_text(p: Path, text: str):
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp"); tmp.write_text(text); os.replace(tmp, p)
+
+@patch
+def rewind(self: Tracker, step: int) -> dict:
+    "Resume at `step`: drop what was logged after it (`truncate_records`) and append from there."
+    if self._finished: raise RuntimeError("Tracker.rewind after finish()")
+    for f in (self._metrics_f, self._alerts_f): f.close()
+    dropped = truncate_records(self.run_dir, step)
+    self._metrics_f = open(self.run_dir / METRICS_JSONL, "a"); self._alerts_f = open(self.run_dir / "alerts.jsonl", "a")
+    self._last_step = None
+    return dropped
 
 # %% ../nbs/15_tracking.ipynb #0dc9cbcc
 class NullTracker:
@@ -521,7 +592,56 @@ class NullTracker:
     def log(self, metrics: dict, step: int): pass
     def alert(self, kind: str, title: str, text: str, level: str = "WARN", step: int | None = None) -> bool: return False
     def check_thresholds(self, metrics: dict, step: int, cfg=None, **kwargs) -> list[dict]: return []
+    def rewind(self, step: int) -> dict: return {}
     def finish(self, exit_code: int | None = None): pass
     def __enter__(self): return self
     def __exit__(self, *exc): return False
     def __repr__(self): return "NullTracker()"
+
+# %% ../nbs/15_tracking.ipynb #6d36532f
+COMPACT_COLUMNS = ("step", "train/*", "val/*", "perf/*", "nan/*", "divergence", "*/total", "*/mean", "*/min", "*/max",
+                   "grad_cos_sim/global", "grad_cos_sim/quantized_mean", "intervention/*")
+LAYER_COLUMNS = ("overflow/*", "underflow/*", "stall/*", "lost_update/*")   # per layer per step: kept when `layers=True`
+
+def compact_columns(keys, summary: dict | None = None, layers: bool = True) -> list[str]:
+    "The keys of `keys` that the compact run format keeps (`COMPACT_COLUMNS`, `LAYER_COLUMNS` if `layers`, the fallbacks)."
+    import fnmatch
+    keys = list(keys)
+    pats = list(COMPACT_COLUMNS) + (list(LAYER_COLUMNS) if layers else [])
+    if "grad_cos_sim/quantized_mean" not in keys: pats.append("grad_cos_sim/*.weight")
+    if summary is None or summary.get("linear_layers") is None: pats.append("grad_norm_l2/*")
+    return [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in pats)]
+
+def _dir_bytes(d: Path) -> int: return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+def _write_checked(records: list[dict], path: Path, **kw):
+    write_metrics_compact(records, path, **kw)
+    if not same_records(read_metrics_compact(path), records):
+        raise RuntimeError(f"{path}: a value did not survive the round trip (please report this bug)")
+
+def compact_run(run_dir: str | os.PathLike, keep_histograms: bool = False, layers: bool = True) -> dict:
+    """Rewrite a finished run folder in the compact run format (see above); returns its files' bytes before and after.
+    `keep_histograms=True`: every per-layer column and `histograms.json` too (the per-format write-up runs).
+    `layers=False`: no per-layer per-step column either (runs read only through their totals, e.g. a study's)."""
+    d = Path(run_dir); before = _dir_bytes(d)
+    f = metrics_file(d)
+    if f is None: raise FileNotFoundError(f"{d} holds neither {METRICS_JSONL} nor {METRICS_COMPACT}: is it a run folder?")
+    recs = read_metrics(f)
+    try: summary = json.loads((d / "summary.json").read_text())
+    except (OSError, ValueError): summary = None
+    if not keep_histograms:
+        keep = set(compact_columns(dict.fromkeys(k for r in recs for k in r), summary, layers))
+        recs = [{k: v for k, v in r.items() if k in keep} for r in recs]
+    j, c, aj, ap, h = (d / METRICS_JSONL, d / METRICS_COMPACT, d / "alerts.jsonl", d / "alerts.parquet", d / "histograms.json")
+    alerts = read_alerts(d) if (aj.exists() or ap.exists()) else None
+    backup = {p: p.read_bytes() for p in (c, ap) if p.exists()}
+    try:
+        _write_checked(recs, c, source_bytes=None, meta=dict(detail=bool(keep_histograms)))
+        if alerts is not None: _write_checked(alerts, ap)
+    except BaseException:
+        for p in (c, ap): p.unlink(missing_ok=True)
+        for p, b in backup.items(): p.write_bytes(b)
+        raise
+    j.unlink(missing_ok=True); aj.unlink(missing_ok=True)
+    if not keep_histograms: h.unlink(missing_ok=True)
+    return dict(before=before, after=_dir_bytes(d))

@@ -4,18 +4,20 @@
 
 # %% ../nbs/17_trainer.ipynb #4326d032
 from __future__ import annotations
-import argparse, contextlib, importlib, json, math, os, random, statistics, sys, tempfile, time, traceback, warnings
+import argparse, contextlib, importlib, json, math, os, random, signal, statistics, sys, tempfile, threading, time, traceback, warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 import numpy as np
 import torch
+from fastcore.basics import patch
 import torch.nn as nn
 from tqdm.auto import tqdm
 from .config import (TrainConfig, ConfigError, load_config, parse_overrides, save_config, resolve_device,
-                            autocast_dtype, PRESETS)
+                            autocast_dtype, PRESETS, config_keys_help, RENAMED_KEYS)
 from .data import TokenData, batch_starts
 from .model import GPT, GPTConfig
-from .tracking import Tracker, to_python
+from .tracking import Tracker, to_python, notice
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, atomic_write_text
 from .shadow import FP32ShadowModel, rng_snapshot
 from .metrics import gradient_metrics, snapshot_params, zero_update_metrics, nonfinite_sources, DivergenceDetector
@@ -28,8 +30,10 @@ from .tracking import NullTracker
 from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
-__all__ = ['lr_at', 'optional_module', 'load_data', 'seed_everything', 'build_model', 'Trainer', 'decay_factors', 'lr_scale_of',
-           'grid_params', 'quantized_cosine', 'layer_census', 'check_ranks_agree', 'train_cli', 'bench_train']
+__all__ = ['RUN_FILES', 'lr_at', 'optional_module', 'load_data', 'seed_everything', 'build_model', 'RunExists', 'run_state',
+           'config_changes', 'move_to_previous', 'claim_out_dir', 'Trainer', 'decay_factors', 'lr_scale_of',
+           'grid_params', 'quantized_cosine', 'layer_census', 'eval_windows', 'window_batch', 'check_ranks_agree',
+           'Interrupted', 'catch_interrupts', 'progress_label', 'train_cli', 'bench_train']
 
 # %% ../nbs/17_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -70,25 +74,80 @@ def seed_everything(seed: int):
     random.seed(seed); np.random.seed(seed % 2**32); torch.manual_seed(seed)
 
 def build_model(cfg: TrainConfig) -> nn.Module:
-    "The GPT of `cfg`, initialised from `cfg.seed`, with 8-bit linears per `cfg.fmt`/`cfg.rules` (altgrad.quantized)."
+    "The GPT of `cfg`, initialised from `cfg.seed`, with 8-bit linears per `cfg.fmt`/`cfg.layer_formats` (altgrad.quantized)."
     seed_everything(cfg.seed)
     model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                           n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias))
     q = optional_module("quantized")
     if q is not None: return q.quantize_model_from_config(model, cfg)
-    if cfg.fmt is not None or cfg.rules:
-        raise ConfigError(f"fmt={cfg.fmt!r}, rules={cfg.rules!r} need altgrad.quantized, which this installation lacks; use fmt=none")
+    if cfg.fmt is not None or cfg.layer_formats:
+        raise ConfigError(f"fmt={cfg.fmt!r}, layer_formats={cfg.layer_formats!r} need altgrad.quantized, which this installation lacks; use fmt=none")
     return model
+
+# %% ../nbs/17_trainer.ipynb #1ee11a65
+RUN_FILES = ("metrics.jsonl", "metrics.parquet", "alerts.jsonl", "alerts.parquet", "summary.json", "config.yaml",
+             "tracker.json", "histograms.json", "checkpoints", "wandb", "checkpoints.*", "metrics.*.jsonl",
+             "metrics.*.parquet", "alerts.*.jsonl", "alerts.*.parquet")
+_FINISHED = ("max_steps", "nan")
+
+class RunExists(ConfigError):
+    "A fresh run would replace a finished or interrupted run in its `out_dir`."
+
+def _run_files(d: Path) -> list[Path]:
+    return sorted({p for pat in RUN_FILES for p in d.glob(pat)}) if d.is_dir() else []
+
+def run_state(run_dir) -> tuple[str, dict]:
+    "('finished' | 'interrupted' | 'partial' | 'empty', its summary.json or {}): what `run_dir` holds (see above)."
+    d = Path(run_dir)
+    try: s = json.loads((d / "summary.json").read_text())
+    except (OSError, ValueError): s = {}
+    if s.get("stopped_reason") in _FINISHED: return "finished", s
+    if any((d / "checkpoints").glob("step_*.pt")): return "interrupted", s
+    logged = any(p.exists() and p.stat().st_size for p in (d / "summary.json", d / "metrics.jsonl", d / "metrics.parquet"))
+    return ("partial" if logged else "empty"), s
+
+def config_changes(run_dir, cfg: TrainConfig) -> list[str]:
+    "`'key: there -> now'` for every setting (but `resume`) where `run_dir/config.yaml` differs from `cfg`."
+    try: saved = load_config(Path(run_dir) / "config.yaml").to_dict()
+    except Exception as e: return [f"its config.yaml cannot be read ({type(e).__name__}: {e})"]
+    now = cfg.to_dict()
+    return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in dict.fromkeys([*saved, *now]) if k != "resume" and saved.get(k) != now.get(k)]
+
+def move_to_previous(run_dir) -> Path:
+    "Move the run files of `run_dir` (`RUN_FILES`) into `run_dir/_previous/<time>/`; returns that folder."
+    d = Path(run_dir); dst = d / "_previous" / time.strftime("%Y%m%d_%H%M%S")
+    while dst.exists(): dst = dst.with_name(dst.name + "_")
+    dst.mkdir(parents=True)
+    for p in _run_files(d): os.replace(p, dst / p.name)
+    return dst
+
+def claim_out_dir(run_dir, cfg: TrainConfig, overwrite: bool = False) -> bool:
+    "Make `run_dir` ready for a fresh run of `cfg`; True: it holds an interrupted run of this config, resume it (see above)."
+    d = Path(run_dir); state, s = run_state(d)
+    if state == "empty": return False
+    at = f"step {s.get('final_step', '?')} of {s.get('max_steps', cfg.max_steps)}"
+    if not overwrite and state != "partial":
+        diff = config_changes(d, cfg)
+        if state == "interrupted" and not diff:
+            notice(f"{d} holds an interrupted run of this config ({at}): resuming it"); return True
+        what = "a finished run" if state == "finished" else "an interrupted run of another config"
+        raise RunExists(f"{d} holds {what} ({at}" + (f"; {'; '.join(diff[:3])}" + (" ..." if len(diff) > 3 else "") if diff else "")
+                        + "): refusing to replace it; pass --overwrite (overwrite=True) to move it to "
+                        + f"{d / '_previous'}/ and start afresh, resume=true to continue it, or another out_dir")
+    dst = move_to_previous(d)
+    notice(f"moved the earlier run in {d} ({state}, {at}) to {dst.relative_to(d)}/")
+    return False
 
 # %% ../nbs/17_trainer.ipynb #b30a7371
 _RESUME_FIXED = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "batch_size", "grad_accum", "fmt",
                  "fmt_backward", "scaling", "granularity", "block_size_q", "amax_history_len", "amax_algo",
-                 "master_weights", "quantize_grads", "rules", "rounding", "margin", "optimizer", "weight_update",
+                 "master_weights", "quantize_grads", "layer_formats", "rounding", "margin", "optimizer", "weight_update",
                  "residual_dtype")
 
 class Trainer:
     "Train `cfg`'s GPT on its data: every diagnostic every step, the seeds' NaN policy, checkpoints and exact resume."
-    def __init__(self, cfg: TrainConfig, tracker: Tracker | None = None, fault: Callable | None = None, progress: bool = True):
+    def __init__(self, cfg: TrainConfig, tracker: Tracker | None = None, fault: Callable | None = None, progress: bool = True,
+                 overwrite: bool = False):
         self.cfg, self.tracker, self.fault, self.progress = cfg, tracker, fault, progress
         self.device = device_for(resolve_device(cfg))        # torchrun: cuda -> cuda:LOCAL_RANK (cuda:N is refused)
         env = init_distributed(self.device)                  # None: one process (no torchrun, or one worker)
@@ -127,11 +186,12 @@ class Trainer:
         self.last_train_loss = self.last_val_loss = None
         self.run_id = self.resumed_from = None
         self.events: list[dict] = []
-        ckpt_dir = self.run_dir / "checkpoints"
-        if not cfg.resume and self.main: _archive_checkpoints(ckpt_dir, self.run_dir)
+        # a fresh run never replaces a finished or interrupted one; an interrupted run of this very config is resumed
+        resume = cfg.resume or broadcast_object(claim_out_dir(self.run_dir, cfg, overwrite) if self.main else None)
         barrier()
-        self.ckpt = CheckpointManager(ckpt_dir, cfg.checkpoint_interval, cfg.keep_last, cfg.keep_best, clean_temp=self.main)
-        if cfg.resume: self.resume()
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint_interval, cfg.keep_last, cfg.keep_best,
+                                      clean_temp=self.main)
+        if resume: self.resume()
 
     @property
     def tokens_per_step(self) -> int:
@@ -152,16 +212,6 @@ class Trainer:
         return (f"Trainer(step={self.step}/{self.cfg.max_steps}, device={self.device!r}, autocast={self.amp_dtype}, "
                 + (f"rank={self.rank}/{self.world}, " if self.world > 1 else "") +
                 f"fmt={self.cfg.fmt!r}, shadow={self.shadow is not None}, run_dir='{self.run_dir}')")
-
-def _archive_checkpoints(ckpt_dir: Path, run_dir: Path):
-    "Move an earlier run's checkpoints aside (`checkpoints.<run id>`) before a fresh run uses the folder."
-    if not ckpt_dir.is_dir() or not any(ckpt_dir.iterdir()): return
-    try: old = json.loads((run_dir / "tracker.json").read_text()).get("run_id")
-    except (OSError, ValueError): old = None
-    dst = run_dir / f"checkpoints.{old or time.strftime('%Y%m%d_%H%M%S')}"
-    while dst.exists(): dst = dst.with_name(dst.name + "_")
-    os.replace(ckpt_dir, dst)
-    warnings.warn(f"{ckpt_dir} held checkpoints of an earlier run; moved to {dst.name} (pass resume=true to continue a run)")
 
 # %% ../nbs/17_trainer.ipynb #1803b2fd
 def _sync(dev_type: str):
@@ -202,7 +252,8 @@ def layer_census(model: nn.Module, q=None) -> dict:
     names = [n for n, _ in q.quantized_layers(model)] if q is not None else []
     return dict(linear_layers=len(linears), quantized_layers=len(names), quantized_layer_names=names)
 
-def _train_step(self: Trainer) -> dict:
+@patch
+def train_step(self: Trainer) -> dict:
     "Run one optimizer step (or skip it when non-finite); returns the step's metrics."
     cfg, model, q = self.cfg, self.model, self.q
     step = self.step + 1
@@ -268,7 +319,8 @@ def _skip_draw(n_tokens: int, cfg, gen: torch.Generator):
     "Advance `gen` exactly as `data.get_batch` does for one batch, without reading the data (another rank's slot)."
     batch_starts(n_tokens, cfg.block_size, cfg.batch_size, gen)
 
-def _next_batches(self: Trainer) -> list:
+@patch
+def next_batches(self: Trainer) -> list:
     """This rank's `grad_accum` micro-batches of the next step: slots `rank*grad_accum ...` of the step's
     `grad_accum x ranks` draws from the one data stream (one process: all of them, in order)."""
     cfg, out = self.cfg, []
@@ -278,33 +330,60 @@ def _next_batches(self: Trainer) -> list:
         else: _skip_draw(len(self.data["train"]), cfg, self.train_gen)
     return out
 
-Trainer.train_step, Trainer.next_batches = _train_step, _next_batches
-
 # %% ../nbs/17_trainer.ipynb #2c01a5e4
-@torch.no_grad()
-def _evaluate(self: Trainer) -> dict:
-    "Mean loss over `eval_iters` fixed validation batches: `{'val/loss', 'val/ppl'}`."
-    cfg = self.cfg
+def eval_windows(n_tokens: int, block_size: int, eval_tokens: int) -> np.ndarray:
+    "Start offsets of the fixed validation set: ceil(eval_tokens / block_size) windows, evenly spaced, no random draw."
+    n, last = -(-int(eval_tokens) // block_size), n_tokens - block_size - 1   # windows; the last possible start
+    if n < 1: raise ValueError(f"eval_tokens must be > 0, got {eval_tokens}")
+    if n * block_size > n_tokens - 1:
+        raise ConfigError(f"eval_tokens={eval_tokens} needs {n} windows of block_size={block_size} tokens, more than the "
+                          f"validation split's {n_tokens:,} tokens hold without overlap; use eval_tokens<={(n_tokens - 1) // block_size * block_size}")
+    return np.array([i * last // max(n - 1, 1) for i in range(n)], dtype=np.int64)
+
+def window_batch(data, starts, block_size: int, device="cpu"):
+    "`(x, y)` of the windows of `data` starting at `starts`, built as `get_batch` builds its random ones."
+    buf = torch.from_numpy(np.asarray(data[np.asarray(starts)[:, None] + np.arange(block_size + 1)], dtype=np.int64))
+    return buf[:, :-1].contiguous().to(device), buf[:, 1:].contiguous().to(device)
+
+@patch
+def _val_batches(self: Trainer):
+    "Yield the validation batches in order, `None` for those of other ranks (batch `i` is rank `i % ranks`'s)."
+    cfg, val = self.cfg, self.data["val"]
+    if cfg.eval_tokens > 0:
+        starts = eval_windows(len(val), cfg.block_size, cfg.eval_tokens)
+        for i, b in enumerate(range(0, len(starts), cfg.batch_size)):
+            yield window_batch(val, starts[b:b + cfg.batch_size], cfg.block_size, self.device) if i % self.world == self.rank else None
+        return
     gen = torch.Generator().manual_seed(cfg.seed + 1)
+    for i in range(cfg.eval_iters):
+        if i % self.world != self.rank: _skip_draw(len(val), cfg, gen); yield None    # another rank's
+        else: yield self.data.get_batch("val", cfg.block_size, cfg.batch_size, self.device, gen)
+
+@patch
+@torch.no_grad()
+def evaluate(self: Trainer) -> dict:
+    "Mean loss over the fixed validation set (`eval_tokens`, else `eval_iters` seeded batches): `{'val/loss', 'val/ppl'}`."
+    cfg, fixed = self.cfg, self.cfg.eval_tokens > 0
     self.model.eval()
     try:
-        losses = []
-        for i in range(cfg.eval_iters):
-            if i % self.world != self.rank: _skip_draw(len(self.data["val"]), cfg, gen); continue   # another rank's
-            x, y = self.data.get_batch("val", cfg.block_size, cfg.batch_size, self.device, gen)
-            with self.autocast(): losses.append(self.fwd(x, y)[1].float())
-        if self.world == 1: vl = torch.stack(losses).mean().item()
-        else:       # ranks share the batches out; the sum of their losses, over all of them
-            part = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
-            vl = all_reduce_sum(part.reshape(1)).item() / cfg.eval_iters
+        losses, sizes = [], []
+        for b in self._val_batches():
+            if b is None: continue
+            with self.autocast(): losses.append(self.fwd(*b)[1].float())
+            sizes.append(len(b[0]))
+        if self.world == 1 and not fixed: vl = torch.stack(losses).mean().item()
+        else:       # fixed windows: weighted by sequences (the last batch may be short); ranks: the sum over all of them
+            w = torch.tensor(sizes, dtype=torch.float32, device=self.device) if fixed else 1.0
+            part = (torch.stack(losses) * w).sum() if losses else torch.zeros((), device=self.device)
+            total = len(eval_windows(len(self.data["val"]), cfg.block_size, cfg.eval_tokens)) if fixed else cfg.eval_iters
+            vl = (all_reduce_sum(part.reshape(1)).item() if self.world > 1 else part.item()) / total
     finally: self.model.train()
     self.last_val_loss = vl
     return {"val/loss": vl, "val/ppl": math.exp(vl) if not vl > 700 else math.inf}
 
-Trainer.evaluate = _evaluate
-
 # %% ../nbs/17_trainer.ipynb #710ca079
-def _state_dict(self: Trainer) -> dict:
+@patch
+def state_dict(self: Trainer) -> dict:
     return dict(version=1, model=self.model.state_dict(), optimizer=self.optimizer.state_dict(), scaler=None,
                 config=self.cfg.to_dict(), step=self.step, rng=capture_rng_state({"train": self.train_gen}),
                 wandb_run_id=self.tracker.run_id if self.tracker is not None else self.run_id,
@@ -315,18 +394,21 @@ def _state_dict(self: Trainer) -> dict:
                 last_train_loss=self.last_train_loss, last_val_loss=self.last_val_loss,
                 **self._pending_state(), **self._rank_states())
 
+@patch
 def _pending_state(self: Trainer) -> dict:
     "8-bit models: the amaxes recorded but not yet pushed into their histories (`quantized.pending_amax`)."
     if self.q is None: return {}
     return dict(pending_amax=self.q.pending_amax(self.model))
 
+@patch
 def _rank_states(self: Trainer) -> dict:
     "Data parallel: every rank's RNG states (their dropout streams differ), pending amaxes and the world size; nothing in one process."
     if self.world == 1: return {}
     gathered = all_gather_object((capture_rng_state({"train": self.train_gen}), self._pending_state().get("pending_amax")))
     return dict(world_size=self.world, rng_ranks=[g[0] for g in gathered], pending_amax_ranks=[g[1] for g in gathered])
 
-def _load_state_dict(self: Trainer, st: dict):
+@patch
+def load_state_dict(self: Trainer, st: dict):
     self.model.load_state_dict(st["model"])
     self.optimizer.load_state_dict(st["optimizer"])
     restore_rng_state(st["rng_ranks"][self.rank] if self.world > 1 else st["rng"], {"train": self.train_gen})
@@ -342,7 +424,8 @@ def _load_state_dict(self: Trainer, st: dict):
         ranks = st.get("pending_amax_ranks") if self.world > 1 else None
         self.q.load_pending_amax(self.model, ranks[self.rank] if ranks is not None else st.get("pending_amax"))
 
-def _save_checkpoint(self: Trainer, val_loss: float | None = None, tag: str | None = None, extra: dict | None = None) -> Path:
+@patch
+def save_checkpoint(self: Trainer, val_loss: float | None = None, tag: str | None = None, extra: dict | None = None) -> Path:
     "Checkpoint the current state (regular, or `tag`ged e.g. 'anomaly', which is never rotated away); ranks: rank 0 writes."
     state = {**self.state_dict(), **(extra or {})}
     if self.world == 1: return self.ckpt.save(self.step, state, val_loss=val_loss, tag=tag)
@@ -361,6 +444,7 @@ def check_ranks_agree(path, reports: list) -> int:
         raise ConfigError(f"ranks disagree after loading {path}: " + ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps)))
     return steps[0]
 
+@patch
 def _load_for_resume(self: Trainer):
     "(state, path) of the newest readable checkpoint; ranks: rank 0 chooses it, every rank loads exactly that file."
     if self.world == 1: return self.ckpt.load_latest(map_location=self.device)
@@ -374,13 +458,14 @@ def _load_for_resume(self: Trainer):
     check_ranks_agree(path, all_gather_object((err, int(st["step"]) if st is not None else None)))
     return st, Path(path)
 
-def _resume(self: Trainer) -> Path | None:
+@patch
+def resume(self: Trainer) -> Path | None:
     """Load the newest readable checkpoint of `out_dir/checkpoints`; returns its path (None: nothing to resume).
     Under `torchrun` rank 0 chooses the file and every rank loads that one (`check_ranks_agree`)."""
     st, path = self._load_for_resume()
     if st is None:
         warnings.warn(f"resume=true but {self.ckpt.dir} holds no readable checkpoint; starting from step 0"); return None
-    saved, now = st["config"], self.cfg.to_dict()
+    saved, now = {RENAMED_KEYS.get(k, k): v for k, v in st["config"].items()}, self.cfg.to_dict()   # (older checkpoints: old key names)
     if st.get("world_size", 1) != self.world:
         raise ConfigError(f"cannot resume from {path}: it was written by a run on {st.get('world_size', 1)} rank(s), this one has "
                           f"{self.world}; resume with the same number of processes (the global batch and data order depend on it)")
@@ -394,10 +479,8 @@ def _resume(self: Trainer) -> Path | None:
     self.resumed_from = path
     return path
 
-Trainer.state_dict, Trainer.load_state_dict, Trainer.save_checkpoint, Trainer.resume = _state_dict, _load_state_dict, _save_checkpoint, _resume
-Trainer._rank_states, Trainer._pending_state, Trainer._load_for_resume = _rank_states, _pending_state, _load_for_resume
-
 # %% ../nbs/17_trainer.ipynb #cdaa5b17
+@patch
 def _on_nonfinite(self: Trainer) -> str | None:
     "The NaN policy for the step just taken: anomaly checkpoint on the first, alerts, stop after `nan_patience`."
     cfg, step, src = self.cfg, self.step, self.nan_sources
@@ -419,6 +502,7 @@ def _on_nonfinite(self: Trainer) -> str | None:
         return "nan"
     return None
 
+@patch
 def _save_histograms(self: Trainer, step: int):
     "Add the 8-bit layers' 256-code histograms at `step` to `histograms.json` (no-op without quantized layers)."
     if self.q is None or not hasattr(self.q, "quant_histograms") or not self.main: return
@@ -429,11 +513,59 @@ def _save_histograms(self: Trainer, step: int):
     data[str(step)] = {layer: {k: to_python(v) for k, v in d.items()} for layer, d in h.items()}
     atomic_write_text(json.dumps(data), p)
 
-Trainer._on_nonfinite, Trainer._save_histograms = _on_nonfinite, _save_histograms
+# %% ../nbs/17_trainer.ipynb #682dfd07
+class Interrupted(KeyboardInterrupt):
+    "Training stopped by SIGINT/SIGTERM after checkpointing step `step`; `exit_code` 130 / 143, as a shell reports them."
+    def __init__(self, signum: int, step: int, summary: dict | None = None):
+        super().__init__(f"interrupted at step {step}: checkpoint saved; rerun the same command to resume")
+        self.signum, self.step, self.summary = int(signum), int(step), summary
+    @property
+    def exit_code(self) -> int: return 128 + self.signum
+
+@contextlib.contextmanager
+def catch_interrupts(active: bool = True):
+    "While active (main thread only): SIGINT/SIGTERM only set `.signum` (the first one); a third SIGINT raises at once."
+    stop = SimpleNamespace(signum=None, count=0)
+    if not active or threading.current_thread() is not threading.main_thread(): yield stop; return
+    def handler(signum, frame):
+        stop.count += 1
+        if stop.signum is None: stop.signum = signum
+        if signum == signal.SIGINT and stop.count >= 3: raise KeyboardInterrupt
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try: yield stop
+    finally:
+        for s, h in old.items(): signal.signal(s, h)
+
+def progress_label(cfg, amp_dtype=None) -> str:
+    "What really runs, for the progress bar: 'fp32', 'E5M2', 'bf16 autocast', 'E5M2 + bf16 autocast'."
+    if amp_dtype is None: return cfg.fmt or "fp32"
+    a = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype, str(amp_dtype).replace("torch.", "")) + " autocast"
+    return f"{cfg.fmt} + {a}" if cfg.fmt else a
 
 # %% ../nbs/17_trainer.ipynb #2db6232c
-def _fit(self: Trainer, until: int | None = None) -> dict:
-    "Train to `cfg.max_steps` (or stop per the NaN policy / after step `until`); returns and writes `summary.json`."
+@patch
+def _summary(self: Trainer, reason, start_step: int, seconds: float, perf: list) -> dict:
+    "What `summary.json` says about this process's part of the run."
+    cfg, st = self.cfg, [p[0] for p in perf]
+    return dict(
+        final_step=self.step, max_steps=cfg.max_steps, stopped_reason=reason, first_nan_step=self.first_nan_step,
+        anomaly_checkpoint=str(self.anomaly_path) if self.anomaly_path else None,
+        final_train_loss=self.last_train_loss, final_val_loss=self.last_val_loss,
+        best_val_loss=self.ckpt.best_val_loss if math.isfinite(self.ckpt.best_val_loss) else None,
+        steps_this_run=self.step - start_step, seconds=round(seconds, 3),
+        step_time=statistics.median(st) if st else None,
+        tokens_per_sec=self.tokens_per_step / statistics.median(st) if st else None,
+        shadow_time=statistics.median(p[1] for p in perf) if perf and self.shadow is not None else None,
+        device=self.device, autocast=str(self.amp_dtype).replace("torch.", "") if self.amp_dtype else None,
+        world_size=self.world, global_batch=self.global_batch,
+        fmt=cfg.fmt, num_params=self.model.num_params() if hasattr(self.model, "num_params") else None,
+        **layer_census(self.model, self.q),
+        run_dir=str(self.run_dir), run_id=self.run_id,
+        resumed_from=str(self.resumed_from) if self.resumed_from else None)
+
+@patch
+def fit(self: Trainer, until: int | None = None) -> dict:
+    "Train to `cfg.max_steps` (or stop per the NaN policy / after step `until` / at a signal); returns and writes `summary.json`."
     cfg = self.cfg
     self.run_dir.mkdir(parents=True, exist_ok=True)
     if self.main: save_config(cfg, self.run_dir / "config.yaml")
@@ -443,75 +575,74 @@ def _fit(self: Trainer, until: int | None = None) -> dict:
         self.tracker = Tracker(self.run_dir, config=cfg.to_dict(), project=cfg.wandb_project, name=cfg.wandb_run_name,
                                tags=cfg.wandb_tags, mode=cfg.wandb_mode, run_id=self.run_id)
     self.run_id = self.tracker.run_id
+    if self.resumed_from is not None: self.tracker.rewind(self.step)   # what the stopped process logged after its checkpoint goes
     hist_steps = {1, max(1, cfg.max_steps // 2), cfg.max_steps}
     t_start, start_step, perf = time.perf_counter(), self.step, []
     reason, exit_code = None, None
     bar = tqdm(total=cfg.max_steps, initial=self.step, unit="step", disable=not (self.progress and self.main),
-               desc=f"{self.run_dir.name} ({cfg.fmt or 'fp32/bf16'})", dynamic_ncols=True, file=sys.stderr)
-    try:
-        while self.step < cfg.max_steps and reason is None:
-            m = self.train_step(); step = self.step
-            perf.append((m["perf/step_time"], m.get("perf/shadow_time", 0.0)))
-            if m["train/skipped"]: reason = self._on_nonfinite()
-            last = step == cfg.max_steps or reason is not None
-            if step % cfg.eval_interval == 0 or last: m.update(self.evaluate())
-            if step % cfg.log_interval == 0 or last or "val/loss" in m or m["train/skipped"]: self.tracker.log(m, step)
-            for ev in self.events:
-                self.tracker.alert("intervention", f"intervention: {ev['kind']}", f"{ev['layer']}: {ev.get('detail', '')}", "WARN", step)
-            self.tracker.check_thresholds(m, step, cfg)
-            if step in hist_steps or step == self.first_nan_step or (last and reason is not None): self._save_histograms(step)
-            if reason is None and (self.ckpt.should_save(step) or step == cfg.max_steps):
-                self.save_checkpoint(val_loss=m.get("val/loss"))
-            bar.update(1)
-            bar.set_postfix(loss=f"{m['train/loss']:.4f}", tok_s=f"{m['perf/tokens_per_sec']:,.0f}",
-                            **({"val": f"{self.last_val_loss:.4f}"} if self.last_val_loss is not None else {}))
-            if reason is None and until is not None and step >= until: reason = "until"
-        reason = reason or "max_steps"
-    except BaseException as e:
-        reason, exit_code = ("interrupted" if isinstance(e, KeyboardInterrupt) else f"terminated: {e}" if isinstance(e, SystemExit)
-                             else f"error: {type(e).__name__}: {e}"), 1
-        raise
-    finally:
-        bar.close()
-        st = [p[0] for p in perf]
-        summary = dict(
-            final_step=self.step, max_steps=cfg.max_steps, stopped_reason=reason, first_nan_step=self.first_nan_step,
-            anomaly_checkpoint=str(self.anomaly_path) if self.anomaly_path else None,
-            final_train_loss=self.last_train_loss, final_val_loss=self.last_val_loss,
-            best_val_loss=self.ckpt.best_val_loss if math.isfinite(self.ckpt.best_val_loss) else None,
-            steps_this_run=self.step - start_step, seconds=round(time.perf_counter() - t_start, 3),
-            step_time=statistics.median(st) if st else None,
-            tokens_per_sec=self.tokens_per_step / statistics.median(st) if st else None,
-            shadow_time=statistics.median(p[1] for p in perf) if perf and self.shadow is not None else None,
-            device=self.device, autocast=str(self.amp_dtype).replace("torch.", "") if self.amp_dtype else None,
-            world_size=self.world, global_batch=self.global_batch,
-            fmt=cfg.fmt, num_params=self.model.num_params() if hasattr(self.model, "num_params") else None,
-            **layer_census(self.model, self.q),
-            run_dir=str(self.run_dir), run_id=self.run_id,
-            resumed_from=str(self.resumed_from) if self.resumed_from else None)
-        if self.main: atomic_write_text(json.dumps(to_python(summary), indent=1, default=str), self.run_dir / "summary.json")
-        if own: self.tracker.finish(exit_code=exit_code); self.tracker = None
+               desc=f"{self.run_dir.name} ({progress_label(cfg, self.amp_dtype)})", dynamic_ncols=True, file=sys.stderr)
+    with catch_interrupts(self.world == 1) as stop:
+        try:
+            while self.step < cfg.max_steps and reason is None:
+                m = self.train_step(); step = self.step
+                perf.append((m["perf/step_time"], m.get("perf/shadow_time", 0.0)))
+                if m["train/skipped"]: reason = self._on_nonfinite()
+                last = step == cfg.max_steps or reason is not None
+                if step % cfg.eval_interval == 0 or last: m.update(self.evaluate())
+                if step % cfg.log_interval == 0 or last or "val/loss" in m or m["train/skipped"]: self.tracker.log(m, step)
+                for ev in self.events:
+                    self.tracker.alert("intervention", f"intervention: {ev['kind']}", f"{ev['layer']}: {ev.get('detail', '')}", "WARN", step)
+                self.tracker.check_thresholds(m, step, cfg)
+                if step in hist_steps or step == self.first_nan_step or (last and reason is not None): self._save_histograms(step)
+                saved = reason is None and (self.ckpt.should_save(step) or step == cfg.max_steps)
+                if saved: self.save_checkpoint(val_loss=m.get("val/loss"))
+                bar.update(1)
+                bar.set_postfix(loss=f"{m['train/loss']:.4f}", tok_s=f"{m['perf/tokens_per_sec']:,.0f}",
+                                **({"val": f"{self.last_val_loss:.4f}"} if self.last_val_loss is not None else {}))
+                if reason is None and stop.signum is not None and step < cfg.max_steps:   # a signal: this step is done, keep it
+                    if not saved: self.save_checkpoint(val_loss=m.get("val/loss"))
+                    reason, exit_code = "interrupted", 128 + stop.signum
+                if reason is None and until is not None and step >= until: reason = "until"
+            reason = reason or "max_steps"
+        except BaseException as e:
+            reason, exit_code = ("interrupted" if isinstance(e, KeyboardInterrupt) else f"terminated: {e}" if isinstance(e, SystemExit)
+                                 else f"error: {type(e).__name__}: {e}"), 1
+            raise
+        finally:
+            bar.close()
+            summary = self._summary(reason, start_step, time.perf_counter() - t_start, perf)
+            if self.main: atomic_write_text(json.dumps(to_python(summary), indent=1, default=str), self.run_dir / "summary.json")
+            if own: self.tracker.finish(exit_code=exit_code); self.tracker = None
+    if reason == "interrupted": raise Interrupted(stop.signum, self.step, summary)
     return summary
-
-Trainer.fit = _fit
 
 # %% ../nbs/17_trainer.ipynb #efcca2f6
 def train_cli(argv: list[str] | None = None) -> int:
-    "Console script: `altgrad-train PRESET_OR_YAML [key=value ...]`."
+    "Console script: `altgrad-train PRESET_OR_YAML [key=value ...] [--overwrite]`."
     p = argparse.ArgumentParser(prog="altgrad-train", description="Train the nanoGPT model on prepared EurLex data.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=f"presets: {', '.join(PRESETS)}; e.g. altgrad-train smoke data_dir=data/eurlex "
-                                       "out_dir=runs/smoke fmt=E5M2 max_steps=50")
+                                       f"out_dir=runs/smoke fmt=E5M2 max_steps=50\n\n{config_keys_help()}")
     p.add_argument("config", help="a preset name or a YAML config file")
     p.add_argument("overrides", nargs="*", help="key=value overrides of TrainConfig fields")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a finished or interrupted run in out_dir (it moves whole to out_dir/_previous/<time>/)")
     a = p.parse_intermixed_args(argv)
     try:
         cfg = load_config(a.config, **parse_overrides(a.overrides))
-        trainer = Trainer(cfg, progress=not a.no_progress)
+        trainer = Trainer(cfg, progress=not a.no_progress, overwrite=a.overwrite)
     except (ConfigError, FileNotFoundError) as e:
         print(f"altgrad-train: error: {e}", file=sys.stderr); destroy_distributed(); return 2
+    except KeyboardInterrupt:
+        print("[altgrad] interrupted before the first step: nothing to save", file=sys.stderr); destroy_distributed(); return 130
     try:
         with sigterm_as_exit(trainer.world > 1): s = trainer.fit()     # torchrun's SIGTERM: fit's cleanup still runs
+    except Interrupted as e:
+        print(f"[altgrad] {e}", file=sys.stderr, flush=True); return e.exit_code
+    except KeyboardInterrupt:                                           # a third Ctrl-C: no checkpoint of this step
+        print(f"[altgrad] interrupted at step {trainer.step} without a checkpoint of it; rerun the same command to resume "
+              "from the last saved one", file=sys.stderr, flush=True); return 130
     except Exception as e:
         if trainer.world == 1: raise
         # the traceback and one line that say which rank failed and why; torchrun's agent then stops the other ranks
