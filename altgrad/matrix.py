@@ -10,13 +10,14 @@ import numpy as np
 import matplotlib
 import matplotlib.pyplot as plt
 from .formats import get_format
+from .regimes import rule_of
 
 # %% auto #0
-__all__ = ['MATRIX_RULES', 'MATRIX_METRICS', 'MATRIX_FILE', 'rule_of', 'read_sweep', 'rule_matrix', 'matrix_markdown',
-           'plot_matrix', 'write_matrix']
+__all__ = ['MATRIX_RULES', 'MATRIX_METRICS', 'MATRIX_FILE', 'read_sweep', 'rule_matrix', 'matrix_markdown', 'plot_matrix',
+           'write_matrix']
 
 # %% ../nbs/33_matrix.ipynb #8faa589d
-MATRIX_RULES = ("nearest", "stochastic", "kahan", "madam", "lion")
+MATRIX_RULES = ("nearest", "stochastic", "kahan", "madam", "madam_nearest", "lion", "lion_nearest")   # column order: registry names
 MATRIX_METRICS = {   # sweep-row key: (heading, number format)
     "final_val_loss": ("Final validation loss (nats/token)", ".4f"),
     "mean_stall": ("Measured stall: share of 8-bit weights with u ≠ 0 whose code did not move (mean over steps; ⁰: above 0.999, the 8-bit layers effectively frozen)", ".3f"),
@@ -24,11 +25,6 @@ MATRIX_METRICS = {   # sweep-row key: (heading, number format)
     "mean_update_ratio": ("r = |u|/ulp: median over layers of each layer's median (mean over steps)", ".3g"),
     "mean_rho": ("Fidelity ρ = ⟨Δw,u⟩/‖u‖² (mean over steps; it measures bias only: stochastic rounding is unbiased, so ρ ≈ 1 even where most weights stall)", ".3f"),
 }
-
-def rule_of(row: dict) -> str:
-    "The update rule of one sweep row: its optimizer unless AdamW, else its `weight_update`."
-    opt = row.get("optimizer") or "adamw"
-    return opt if opt != "adamw" else (row.get("weight_update") or "nearest")
 
 def read_sweep(d) -> tuple[str, list[dict]]:
     "`(rule, rows)` of the weights-on-grid sweep in folder `d` (its `summary.json`)."
@@ -133,5 +129,5 @@ def write_matrix(root, title: str | None = None, note: str | None = None) -> Pat
     m["note"] = note if note is not None else old.get("note", "")
     title, note = m["title"], m["note"]
     (root / MATRIX_FILE).write_text(json.dumps(m, indent=1))
-    fig = plot_matrix(m); fig.savefig(root / "matrix.png", dpi=110); plt.close(fig)
+    fig = plot_matrix(m); fig.savefig(root / "matrix.png", dpi=100); plt.close(fig)
     p = root / "summary.md"; p.write_text(matrix_markdown(m, title, note)); return p

@@ -4,158 +4,26 @@
 
 # %% ../nbs/30_report.ipynb #ff7e0ac0
 from __future__ import annotations
-import argparse, inspect, json, math, os, re, sys
-from dataclasses import dataclass, field
+import argparse, json, math, os, re, sys
 from pathlib import Path
 import numpy as np
 import matplotlib
 import matplotlib.pyplot as plt
-from .tracking import read_metrics, read_alerts, encode_json, metrics_file, compact_metrics, METRICS_JSONL, METRICS_COMPACT
+from .tracking import metrics_file, compact_metrics, METRICS_JSONL
+from .runs import (Run, load_run, write_synthetic_run, SYN_LAYERS, run_finished, read_json, read_yaml, find_writeups,
+                          find_sweeps, find_matrices, is_writeup, reuse_marker, load_runs, layer_formats_of)
 
 # %% auto #0
-__all__ = ['SMOOTH_WINDOW', 'AVG_STEPS', 'LAYER_GROUPS', 'MECHANISM_COLUMNS', 'REPORT_INPUTS', 'SWEEP_INPUTS', 'Run', 'load_run',
-           'write_synthetic_run', 'short_layer', 'smooth', 'plot_loss', 'quantized_layer_names', 'quantized_cos_series',
-           'plot_cosine', 'layer_matrix', 'plot_heatmap', 'hotspots', 'pick_layers', 'plot_histograms',
-           'first_nan_step', 'nan_origin', 'failure_analysis', 'run_finished', 'mean_quantized_cos', 'divergence_steps',
-           'verdict', 'train_loss_avg', 'progress_lost', 'layer_counts', 'run_summary', 'fmt_num', 'precision_note',
-           'layer_group', 'has_mechanism', 'layer_groups', 'mechanism_table', 'mechanism_rule', 'plot_mechanism',
-           'ratio_histograms', 'share_below_half', 'plot_ratio_histograms', 'mechanism_section', 'write_report',
-           'is_writeup', 'is_sweep', 'find_writeups', 'find_sweeps', 'report_inputs', 'regenerate_report',
-           'regenerate_summary', 'report_cli', 'find_matrices']
-
-# %% ../nbs/30_report.ipynb #5e4f383e
-def _read_json(p: Path, default):
-    try: return json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError): return default
-
-@dataclass
-class Run:
-    "Everything a report needs from one run folder."
-    dir: Path
-    metrics: list[dict]
-    alerts: list[dict] = field(default_factory=list)
-    summary: dict = field(default_factory=dict)
-    config: dict = field(default_factory=dict)
-    histograms: dict = field(default_factory=dict)
-
-    def keys(self, prefix: str = "") -> list[str]:
-        "All metric keys starting with `prefix`, sorted."
-        ks = set()
-        for r in self.metrics: ks.update(k for k in r if k.startswith(prefix))
-        return sorted(ks)
-
-    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        "(steps, values) of the steps where `key` was logged as a number (non-finite values kept)."
-        pts = [(r["step"], float(r[key])) for r in self.metrics if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
-        if not pts: return np.zeros(0, dtype=int), np.zeros(0)
-        s, v = zip(*pts)
-        return np.asarray(s), np.asarray(v, dtype=float)
-
-    def last(self, key: str, finite: bool = True) -> float | None:
-        "Last logged value of `key` (the last finite one when `finite`)."
-        _, v = self.series(key)
-        if finite: v = v[np.isfinite(v)]
-        return float(v[-1]) if len(v) else None
-
-    @property
-    def fmt(self) -> str | None: return self.config.get("fmt")
-
-def load_run(run_dir) -> Run:
-    "Read a run folder written by `altgrad.trainer.Trainer` (metrics from `metrics.jsonl` or the compact `metrics.parquet`)."
-    d = Path(run_dir)
-    if metrics_file(d) is None:
-        raise FileNotFoundError(f"{d} holds neither {METRICS_JSONL} nor {METRICS_COMPACT}: is it a run folder (the trainer's out_dir)?")
-    import yaml
-    cfg = {}
-    if (d / "config.yaml").exists(): cfg = yaml.safe_load((d / "config.yaml").read_text()) or {}
-    alerts = read_alerts(d / "alerts.jsonl") if (d / "alerts.jsonl").exists() else []
-    return Run(d, read_metrics(d, merge=True), alerts, _read_json(d / "summary.json", {}), cfg,
-               _read_json(d / "histograms.json", {}))
-
-# %% ../nbs/30_report.ipynb #b19d92c4
-_SYN_LAYERS = ["transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_proj"]
-_SYN_LINEAR = _SYN_LAYERS + ["transformer.h.1.attn.c_proj"]   # the 4th stays in high precision
-_N_RBINS = 48                                                  # len(altgrad.grid.R_EDGES) - 1
-
-def _syn_mechanism(s: int, layers: list[str], on_grid: bool, kahan: bool) -> dict:
-    "Update-mechanism metrics of synthetic step `s`: simple functions of the step and the layer index."
-    r = {}
-    for i, l in enumerate(layers):
-        rho = 0.5 + 0.1 * i + 0.002 * s
-        r.update({f"update_ratio/{l}": 0.1 * (i + 1) + 0.001 * s, f"pred_stall/{l}": 0.6 - 0.1 * i, f"rho/{l}": rho,
-                  f"lost_update/{l}": 1 - rho, f"zero_frac/{l}": 0.001 * i})
-        if on_grid: r[f"flip_back/{l}"] = 0.01 * (i + 1)
-        if kahan: r[f"residual_ulp/{l}"] = 0.3
-    for k in ("update_ratio", "pred_stall", "rho", "lost_update", "zero_frac", "flip_back", "residual_ulp"):
-        v = [r[f"{k}/{l}"] for l in layers if f"{k}/{l}" in r]
-        if v: r[f"{k}/total"] = sum(v) / len(v)
-    r["stall/total"] = 0.3
-    return r
-
-def write_synthetic_run(d, steps: int = 50, nan_at: int | None = None, fmt: str | None = "E7M0", seed: int = 0, *,
-                        stop_at: int | None = None, val_factor: float = 1.0, cos: float | None = None, shadow: bool = True,
-                        divergence_at: int | None = None, lost_update: float | None = None, counts: bool = True,
-                        master_weights: str = "fp32", jsonl: bool = True, mechanism: bool = False,
-                        weight_update: str = "nearest", optimizer: str = "adamw", lr_scale: float | None = None,
-                        residual_dtype: str = "fp32") -> Path:
-    "Write a small fake run folder (metrics, alerts, summary, config, histograms) for tests and examples."
-    import yaml
-    from altgrad.tracking import write_metrics_compact
-    d = Path(d); d.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    layers = _SYN_LAYERS
-    recs, first_nan = [], None
-    last_step = min(steps, stop_at or steps)
-    for s in range(1, last_step + 1):
-        loss = 8.0 * math.exp(-s / 30) + 3 + 0.05 * rng.standard_normal()
-        r = {"step": s, "train/loss": loss, "train/lr": 1e-3, "perf/tokens_per_sec": 1000.0}
-        r["divergence"] = float(divergence_at is not None and s >= divergence_at)
-        for p in _SYN_LINEAR + ["transformer.h.0.ln_1", "transformer.wte"]: r[f"grad_norm_l2/{p}.weight"] = 0.1
-        if fmt:
-            for i, l in enumerate(layers):
-                for t in "wag":
-                    r[f"overflow/{l}/{t}"] = (0.002 * s if i == 2 and t == "g" else 0.0)
-                    r[f"underflow/{l}/{t}"] = 0.01 * i
-                r[f"stall/{l}"] = 0.2 + 0.1 * i
-            if mechanism: r.update(_syn_mechanism(s, layers, master_weights == "format", weight_update == "kahan"))
-            if lost_update is not None: r["lost_update/total"] = lost_update
-            if s == 25: r[f"intervention/{layers[2]}"] = 1.0
-        if shadow:
-            q = cos if cos is not None else 0.99 - 0.001 * s
-            r["grad_cos_sim/mean"], r["grad_cos_sim/min"] = 0.99 - 0.001 * s, 0.9 - 0.002 * s
-            if fmt:
-                r["grad_cos_sim/quantized_mean"] = q
-                for i, l in enumerate(layers): r[f"grad_cos_sim/{l}.weight"] = q + 0.001 * (i - 1)
-        if nan_at and s >= nan_at:
-            r["train/loss"] = float("nan"); first_nan = first_nan or s
-            r["nan/source"] = layers[2]
-        if s % 10 == 0 or s == last_step: r["val/loss"] = (loss + 0.1) * val_factor; r["val/ppl"] = math.exp(r["val/loss"])
-        recs.append(r)
-        if nan_at and s >= nan_at + 2: break
-    if jsonl:
-        with open(d / "metrics.jsonl", "w") as f:
-            for r in recs: f.write(json.dumps(encode_json(r)) + "\n")
-    else: write_metrics_compact(recs, d / "metrics.parquet")
-    alerts = [dict(kind="intervention", level="WARN", title="partition-relative clipping", text=f"{layers[2]}: overflow 5%", step=25)]
-    if first_nan: alerts.append(dict(kind="nan", level="ERROR", title="Non-finite loss", text=f"first non-finite gradient in {layers[2]}", step=first_nan))
-    (d / "alerts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in alerts))
-    stopped = "nan" if first_nan else ("interrupted" if stop_at and stop_at < steps else "max_steps")
-    summary = dict(final_step=recs[-1]["step"], max_steps=steps, first_nan_step=first_nan, stopped_reason=stopped,
-                   final_val_loss=[r for r in recs if "val/loss" in r][-1]["val/loss"], device="cpu", autocast=None)
-    if counts:
-        q = layers if fmt else []
-        summary.update(linear_layers=len(_SYN_LINEAR), quantized_layers=len(q), quantized_layer_names=q)
-    (d / "summary.json").write_text(json.dumps(summary))
-    cfg = dict(fmt=fmt, max_steps=steps, seed=42, n_layer=2, preset="smoke", master_weights=master_weights)
-    if mechanism: cfg.update(weight_update=weight_update, optimizer=optimizer, lr_scale=lr_scale, residual_dtype=residual_dtype)
-    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
-    if fmt:
-        h = {str(s): {l: {t: rng.integers(0, 50, 256).tolist() for t in "wag"} for l in layers} for s in (1, steps // 2, steps)}
-        if mechanism:
-            for st in h.values():
-                for l in layers: st[l]["r"] = rng.integers(0, 50, _N_RBINS).tolist()
-        (d / "histograms.json").write_text(json.dumps(h))
-    return d
+__all__ = ['SMOOTH_WINDOW', 'HEATMAP_PERCENTILES', 'AVG_STEPS', 'FIG_DPI', 'LAYER_GROUPS', 'MECHANISM_COLUMNS',
+           'MECHANISM_LABELS', 'REPORT_INPUTS', 'TABLE_HEAD', 'SWEEP_INPUTS', 'short_layer', 'smooth', 'legend',
+           'plot_loss', 'quantized_layer_names', 'quantized_cos_series', 'plot_cosine', 'layer_matrix', 'colour_range',
+           'plot_heatmap', 'hotspots', 'pick_layers', 'plot_histograms', 'first_nan_step', 'nan_origin',
+           'failure_analysis', 'run_finished', 'mean_quantized_cos', 'divergence_steps', 'verdict', 'train_loss_avg',
+           'progress_lost', 'layer_counts', 'run_summary', 'fmt_num', 'precision_note', 'layer_group', 'has_mechanism',
+           'layer_groups', 'mechanism_table', 'regime_of', 'mechanism_rule', 'plot_mechanism', 'ratio_histograms',
+           'share_below_half', 'plot_ratio_histograms', 'mechanism_section', 'write_report', 'model_layers',
+           'count_8bit_layers', 'summary_row', 'summary_rows', 'plot_sweep', 'plot_reference', 'layout_text',
+           'write_summary', 'report_inputs', 'regenerate_report', 'summary_inputs', 'regenerate_summary', 'report_cli']
 
 # %% ../nbs/30_report.ipynb #855c193a
 SMOOTH_WINDOW = 25   # steps of the running mean drawn over the training loss
@@ -183,22 +51,30 @@ def smooth(v, window: int = SMOOTH_WINDOW) -> np.ndarray:
         out[i] = sum(buf) / len(buf)
     return out
 
+def legend(ax, **kw):
+    "`ax.legend(**kw)` when the axes hold labelled artists (no legend, and no matplotlib warning, otherwise)."
+    if ax.get_legend_handles_labels()[0]: ax.legend(**kw)
+
 def plot_loss(run: Run, ref: Run | None = None, label: str = "8-bit", ref_label: str = "reference", window: int = SMOOTH_WINDOW):
-    "Train (raw, faint; running mean over `window` steps, bold) and validation loss (left), validation perplexity (right)."
+    """Train (raw, faint; running mean over `window` steps, bold) and validation loss (left), validation perplexity
+    (right); the reference in black dashes drawn on top (its per-batch loss is left out: it would hide the run's)."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for r, lab, c in ((ref, ref_label, "0.45"), (run, label, "C3")):
-        if r is None: continue
-        s, v = r.series("train/loss")
-        a1.plot(s, v, color=c, lw=0.6, alpha=0.25)
-        a1.plot(s, smooth(v, window), color=c, lw=1.4, label=f"{lab} train (running mean, {window} steps)")
-        s, v = r.series("val/loss"); a1.plot(s, v, "o-", color=c, ms=3, label=f"{lab} val")
-        a2.plot(s, np.exp(np.minimum(v, 50)), "o-", color=c, ms=3, label=lab)
+    s, v = run.series("train/loss")
+    a1.plot(s, v, color="C3", lw=0.6, alpha=0.25)
+    a1.plot(s, smooth(v, window), color="C3", lw=1.4, label=f"{label} train (running mean, {window} steps)")
+    s, v = run.series("val/loss"); a1.plot(s, v, "o-", color="C3", ms=3, label=f"{label} val")
+    a2.plot(s, np.exp(np.minimum(v, 50)), "o-", color="C3", ms=3, label=label)
+    if ref is not None:
+        s, v = ref.series("train/loss")
+        a1.plot(s, smooth(v, window), "--", color="k", lw=1.1, zorder=4, label=f"{ref_label} train (running mean, {window} steps)")
+        s, v = ref.series("val/loss"); a1.plot(s, v, "s--", color="k", ms=2.5, lw=0.9, zorder=4, label=f"{ref_label} val")
+        a2.plot(s, np.exp(np.minimum(v, 50)), "s--", color="k", ms=2.5, lw=0.9, zorder=4, label=ref_label)
     s, v = run.series("train/loss")
     bad = s[~np.isfinite(v)]
-    if len(bad): a1.axvline(bad[0], color="k", ls="--", lw=1, label=f"first NaN (step {bad[0]})")
+    if len(bad): a1.axvline(bad[0], color="0.3", ls="--", lw=1, label=f"first NaN (step {bad[0]})")
     for e in _events(run): a1.axvline(e["step"], color="C2", ls=":", lw=1)
-    a1.set(xlabel="step", ylabel="loss (nats)", title="loss (faint: per-batch training loss)"); a1.legend(fontsize=7)
-    a2.set(xlabel="step", ylabel="perplexity", yscale="log", title="validation perplexity"); a2.legend(fontsize=7)
+    a1.set(xlabel="step", ylabel="loss (nats)", title="loss (faint: per-batch training loss)"); legend(a1, fontsize=7)
+    a2.set(xlabel="step", ylabel="perplexity", yscale="log", title="validation perplexity"); legend(a2, fontsize=7)
     fig.tight_layout(); return fig
 
 def quantized_layer_names(run: Run) -> list[str]:
@@ -234,7 +110,7 @@ def plot_cosine(run: Run):
         s, v = run.series(k)
         if len(s): ax.plot(s, v, st, color="0.4", lw=0.9, label=lab)
     ax.set(xlabel="step", ylabel="cosine similarity", title="gradient agreement with the FP32 shadow", ylim=(None, 1.01))
-    ax.legend(fontsize=8); fig.tight_layout(); return fig
+    legend(ax, fontsize=8); fig.tight_layout(); return fig
 
 def layer_matrix(run: Run, prefix: str) -> tuple[list[str], np.ndarray, np.ndarray]:
     "(row names, steps, matrix rows × steps) of every metric under `prefix` (NaN where not logged)."
@@ -248,16 +124,30 @@ def layer_matrix(run: Run, prefix: str) -> tuple[list[str], np.ndarray, np.ndarr
             if isinstance(v, (int, float)): m[i, j] = v
     return [_layer_of(k, prefix) for k in keys], steps, m
 
-def plot_heatmap(run: Run, prefix: str, title: str, vmax: float | None = None):
-    "Layers × steps heat map of the metrics under `prefix` (e.g. `overflow/`)."
+HEATMAP_PERCENTILES = (1, 99)   # the colour scale of a heat map spans these percentiles of its values
+
+def colour_range(m, pct=HEATMAP_PERCENTILES) -> tuple[float, float]:
+    "(low, high) of the colour scale: the `pct` percentiles of the finite values of `m`, widened when they coincide."
+    v = np.asarray(m, dtype=float); v = v[np.isfinite(v)]
+    if not len(v): return 0.0, 1.0
+    lo, hi = (float(x) for x in np.percentile(v, pct))
+    if hi <= lo: lo, hi = (lo - 0.5, lo + 0.5) if lo == 0 else (lo - 0.01 * abs(lo), hi + 0.01 * abs(hi))
+    return lo, hi
+
+def plot_heatmap(run: Run, prefix: str, title: str, pct=HEATMAP_PERCENTILES):
+    "Layers × steps heat map of the metrics under `prefix` (e.g. `overflow/`), coloured over the `pct` percentiles of its values."
     names, steps, m = layer_matrix(run, prefix)
     if not names: return None
+    lo, hi = colour_range(m, pct)
     fig, ax = plt.subplots(figsize=(9, 0.22 * len(names) + 1.6))
-    im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="magma", vmin=0, vmax=vmax,
+    im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="magma", vmin=lo, vmax=hi,
                    extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5))
     ax.set_yticks(range(len(names)), [short_layer(n) for n in names], fontsize=6)
-    ax.set(xlabel="step", title=title); fig.colorbar(im, ax=ax, fraction=0.03)
-    fig.tight_layout(); return fig
+    v = m[np.isfinite(m)]
+    ext = {(False, False): "neither", (True, False): "min", (False, True): "max", (True, True): "both"}[(bool((v < lo).any()), bool((v > hi).any()))]
+    cb = fig.colorbar(im, ax=ax, fraction=0.03, extend=ext)
+    cb.set_label(f"colour range: {pct[0]}st–{pct[1]}th percentile\nof the values ({lo:.3g} to {hi:.3g})", fontsize=7)
+    ax.set(xlabel="step", title=title); fig.tight_layout(); return fig
 
 def hotspots(run: Run, prefix: str, k: int = 3) -> list[tuple[str, float, float, int]]:
     "The `k` rows of `layer_matrix(run, prefix)` with the highest mean: `(name, mean, max, step of the max)`."
@@ -292,7 +182,7 @@ def plot_histograms(run: Run, fmt=None):
             ax.set_yscale("log"); ax.set_ylim(bottom=0.5)
             ax.set_title(f"{short_layer(l)}  {dict(w='weights W', a='activations A', g='gradients G')[t]}", fontsize=8)
             if i == len(layers) - 1: ax.set_xlabel("code (sign folded)")
-    axs[0, 0].legend(fontsize=7); fig.tight_layout(); return fig
+    legend(axs[0, 0], fontsize=7); fig.tight_layout(); return fig
 
 # %% ../nbs/30_report.ipynb #a309b488
 def first_nan_step(run: Run) -> int | None:
@@ -424,7 +314,7 @@ def run_summary(run: Run, ref: Run | None = None, unigram: float | None = None, 
     avg, n_avg = train_loss_avg(run)
     lc, cfg = layer_counts(run), run.config
     all_cos = _mean(run, "grad_cos_sim/mean")
-    return dict(fmt=run.fmt or "reference", rules=cfg.get("rules") or [], final_val_loss=v,
+    return dict(fmt=run.fmt or "reference", layer_formats=layer_formats_of(cfg), final_val_loss=v,
                 final_train_loss=run.last("train/loss"), train_loss_avg50=avg, train_loss_avg_steps=n_avg,
                 ratio_to_ref=(v / r if v is not None and r else None), ref_val_loss=r, unigram=unigram,
                 progress_lost=progress_lost(v, r, unigram),
@@ -470,7 +360,7 @@ def precision_note(run: Run) -> str:
          f"LM head not counted): their weights W, input activations A and output gradients G are rounded "
          f"({rnd}) to {fmts} with per-{cfg.get('granularity') or 'tensor'} {cfg.get('scaling') or 'delayed'} scaling."]
     if n and q < n: L.append(("The other linear layer stays" if n - q == 1 else f"The other {n - q} linear layers stay")
-                             + f" in high precision (precision rules: {cfg.get('rules') or 'none'}).")
+                             + f" in high precision (precision rules: {layer_formats_of(cfg) or 'none'}).")
     not8 = ["the attention products QKᵀ and AV", "the tied token embedding / LM head", "the position embedding", "biases",
             "LayerNorm", "GELU", "softmax",
             "the residual stream", f"the optimizer state ({cfg.get('optimizer', 'adamw')})"]
@@ -486,6 +376,7 @@ def precision_note(run: Run) -> str:
     return " ".join(L)
 
 # %% ../nbs/30_report.ipynb #6f19fcc7
+FIG_DPI = 100   # figures are read on screen
 LAYER_GROUPS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 MECHANISM_COLUMNS = (("update_ratio", "median r"), ("pred_stall", "predicted stall (r < 1/2)"), ("stall", "measured stall"),
                      ("rho", "ρ"), ("flip_back", "flip-back"), ("zero_frac", "zero/subnormal"), ("residual_ulp", "residual (ulp, RMS)"))
@@ -493,7 +384,7 @@ MECHANISM_COLUMNS = (("update_ratio", "median r"), ("pred_stall", "predicted sta
 def _save(fig, path: Path) -> str | None:
     if fig is None: return None
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, metadata={"Software": None}); plt.close(fig)
+    fig.savefig(path, dpi=FIG_DPI, metadata={"Software": None}); plt.close(fig)
     return f"figures/{path.name}"
 
 def layer_group(name: str) -> str:
@@ -530,11 +421,20 @@ def mechanism_table(run: Run) -> list[dict]:
     rows.append(dict(group="total", layers=n, **{k: _mean(run, f"{k}/total") for k, _ in MECHANISM_COLUMNS}))
     return rows
 
+def regime_of(cfg: dict):
+    "The registered update regime (`altgrad.regimes.UpdateRule`) a run's config ran, or None when no registered regime matches."
+    from altgrad.regimes import get_rule, rule_of
+    try: return get_rule(rule_of(cfg))
+    except ValueError: return None
+
 def mechanism_rule(run: Run) -> str:
     "One sentence naming how the weights were updated: landing rule, base optimizer, learning-rate scale, kahan residual."
     cfg = run.config
     opt = cfg.get("optimizer") or "adamw"
+    regime = regime_of(cfg)
     if cfg.get("lr_scale") is not None: lr = f"learning-rate scale {fmt_num(float(cfg['lr_scale']), 'g')} (config `lr_scale`)"
+    elif regime is not None and regime.lr_scale is not None:
+        lr = f"learning-rate scale {fmt_num(float(regime.lr_scale), 'g')} (regime `{regime.name}`, `altgrad.regimes`)"
     else:
         from altgrad.optim import default_lr_scale
         try: lr = f"learning-rate scale {fmt_num(float(default_lr_scale(opt)), 'g')} ({opt}'s default, `altgrad.optim.default_lr_scale`)"
@@ -548,21 +448,31 @@ def mechanism_rule(run: Run) -> str:
     if wu == "kahan": s += f" The kahan residual costs {_residual_text(cfg)}."
     return s
 
+MECHANISM_LABELS = {   # what each curve of `plot_mechanism` measures, by where the weights live
+    "format": dict(stall="measured stall: stored 8-bit weight did not move", pred="predicted stall (r < 1/2)",
+                   rho="ρ = ⟨Δw,u⟩/‖u‖² of the stored weight", lost="lost update 1 − ρ",
+                   left="stall: predicted by r < 1/2 vs measured", right="update fidelity (faint: per step)"),
+    "fp32": dict(stall="8-bit view: code did not move this step", pred="r < 1/2 (with weights on the grid: would stall)",
+                 rho="ρ of the FP32 master copy (every update lands: 1)", lost="lost update of the FP32 copy (0)",
+                 left="8-bit view of the FP32 master weights (nothing is lost)", right="FP32 master copy: fidelity (faint: per step)")}
+
 def plot_mechanism(run: Run, window: int = SMOOTH_WINDOW):
-    "Predicted (`pred_stall/total`) vs measured (`stall/total`) stall (left); fidelity ρ and lost update (right)."
+    """Predicted (`pred_stall/total`) vs measured (`stall/total`) stall (left); fidelity ρ and lost update (right); the
+    labels say what each curve measures where the weights live (`MECHANISM_LABELS`)."""
     if not has_mechanism(run): return None
+    lab = MECHANISM_LABELS["format" if run.config.get("master_weights", "fp32") == "format" else "fp32"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.6))
-    for ax, series in ((a1, (("stall/total", "measured stall", "C3"), ("pred_stall/total", "predicted stall (r < 1/2)", "C0"))),
-                       (a2, (("rho/total", "ρ = ⟨Δw,u⟩/‖u‖²", "C2"), ("lost_update/total", "lost update 1 − ρ", "C1")))):
-        for k, lab, c in series:
+    for ax, series in ((a1, (("stall/total", lab["stall"], "C3"), ("pred_stall/total", lab["pred"], "C0"))),
+                       (a2, (("rho/total", lab["rho"], "C2"), ("lost_update/total", lab["lost"], "C1")))):
+        for k, text, c in series:
             s, v = run.series(k)
             if not len(s): continue
             ax.plot(s, v, color=c, lw=0.6, alpha=0.25)
-            ax.plot(s, smooth(v, window), color=c, lw=1.4, label=f"{lab} (running mean, {window} steps)")
-        ax.legend(fontsize=7)
-    a1.set(xlabel="step", ylabel="share of moved weights", title="stall: predicted by r < 1/2 vs measured", ylim=(-0.02, 1.02))
+            ax.plot(s, smooth(v, window), color=c, lw=1.4, label=f"{text} (running mean, {window} steps)")
+        legend(ax, fontsize=7)
+    a1.set(xlabel="step", ylabel="share of moved weights", title=lab["left"], ylim=(-0.02, 1.02))
     a2.axhline(1, color="0.6", lw=0.6); a2.axhline(0, color="0.6", lw=0.6)
-    a2.set(xlabel="step", ylabel="share of ‖u‖²", title="update fidelity (faint: per step)")
+    a2.set(xlabel="step", ylabel="share of ‖u‖²", title=lab["right"])
     fig.tight_layout(); return fig
 
 def ratio_histograms(run: Run) -> dict[str, dict[str, np.ndarray]]:
@@ -596,7 +506,7 @@ def plot_ratio_histograms(run: Run):
         for st, c in by_step.items():
             ax.step(x, c / max(c.sum(), 1), where="mid", lw=0.9, label=f"step {st}: {share_below_half(c):.0%} < 1/2")
         ax.axvline(-1, color="k", ls="--", lw=0.8)
-        ax.set(title=g, xlabel="log2 r  (r = |u| / ulp)", xlim=(e[0], e[-1])); ax.legend(fontsize=6)
+        ax.set(title=g, xlabel="log2 r  (r = |u| / ulp)", xlim=(e[0], e[-1])); legend(ax, fontsize=6)
     axs[0, 0].set_ylabel("share of moved weights")
     fig.tight_layout(); return fig
 
@@ -648,20 +558,11 @@ def _ranks_row(run) -> dict:
     if ga > 1: return {"global batch": f"{gb} sequences = {b} per micro-batch × {ga} accumulation (one process)"}
     return {}
 
-def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setup: dict | None = None,
-                 unigram: float | None = None) -> Path:
-    """Render `out_dir/report.md` and `out_dir/figures/*.png` for the run in `run_dir` against `ref_dir`.
-
-    `unigram`: validation loss of the unigram baseline (`altgrad.data.unigram_baseline`), for the progress lost;
-    stored with the other inputs in `out_dir/report_inputs.json`."""
-    run, ref = load_run(run_dir), (load_run(ref_dir) if ref_dir else None)
-    out = Path(out_dir); fig_dir = out / "figures"; fig_dir.mkdir(parents=True, exist_ok=True)
-    name = run.fmt or "reference"
-    S = run_summary(run, ref, unigram)
-    cfg = run.config
-    L = [f"# {title or name + ': 8-bit training write-up'}", ""]
+def _setup_lines(run: Run, ref: Run | None, extra_setup: dict | None) -> list[str]:
+    "The report's title-less 'Setup' section: the setup table and what is 8-bit."
+    cfg, name = run.config, run.fmt or "reference"
     mw = cfg.get("master_weights", "fp32")
-    setup = dict(format=name, backward_format=cfg.get("fmt_backward") or name, rules=cfg.get("rules") or "uniform",
+    setup = dict(format=name, backward_format=cfg.get("fmt_backward") or name, rules=layer_formats_of(cfg) or "uniform",
                  scaling=f"{cfg.get('scaling')} / {cfg.get('granularity')}", rounding=cfg.get("rounding", "nearest"),
                  master_weights=mw + (f" (update rule: {cfg.get('weight_update', 'nearest')})" if mw == "format" else ""),
                  optimizer=cfg.get("optimizer", "adamw"),
@@ -670,9 +571,11 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
                  device=run.summary.get("device", "?"), **_ranks_row(run), **(extra_setup or {}))
     if ref is not None and ref.config.get("optimizer", "adamw") != setup["optimizer"]:
         setup["optimizer"] += f" (the reference: {ref.config.get('optimizer', 'adamw')})"
-    L += ["## Setup", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in setup.items()] + [""]
-    L += [precision_note(run), ""]
-    L += ["## Results", "", "| | this run | reference |", "|---|---|---|"]
+    return ["## Setup", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in setup.items()] + ["", precision_note(run), ""]
+
+def _results_lines(run: Run, ref: Run | None, S: dict, unigram: float | None) -> list[str]:
+    "The 'Results' section: this run's numbers beside the reference's, the loss ratio and the progress lost."
+    L = ["## Results", "", "| | this run | reference |", "|---|---|---|"]
     R = run_summary(ref) if ref else {}
     n_win = min(AVG_STEPS, len(run.series("train/loss")[0])) or AVG_STEPS
     avg_lab = f"training loss, mean of the last {n_win} steps" + (" (finite values only)" if S["train_loss_avg_steps"] < n_win else "")
@@ -691,13 +594,18 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
               f"((L_run − L_ref) / (L_unigram − L_ref) with L_unigram = {unigram:.4f}, L_ref = {S['ref_val_loss']:.4f} nats/token)."]
     elif unigram is None: L += ["Progress lost: not computed (no unigram baseline stored for this report)."]
     else: L += [f"Progress lost: not defined (the reference did not beat the unigram baseline {unigram:.4f}, or a loss is missing)."]
-    L += [""]
-    stall_cap = ("Fraction of weights whose 8-bit value did not move although the optimizer update was non-zero. "
-                 + ("The weights live on the 8-bit grid here, so a stalled update is lost."
-                    if mw == "format" else "With FP32 master weights a stalled code loses nothing (the update accumulates in "
-                    "the FP32 copy and moves the code later): per-step stall reflects the learning rate and the grid spacing, "
-                    "not a failure; the lost update above is what reaches the weights."))
-    figs = [("Loss", _save(plot_loss(run, ref, name), fig_dir / "loss.png"),
+    return L + [""]
+
+def _stall_caption(on_grid: bool) -> str:
+    return ("Fraction of weights whose 8-bit value did not move although the optimizer update was non-zero. "
+            + ("The weights live on the 8-bit grid here, so a stalled update is lost."
+               if on_grid else "With FP32 master weights a stalled code loses nothing (the update accumulates in "
+               "the FP32 copy and moves the code later): per-step stall reflects the learning rate and the grid spacing, "
+               "not a failure; the lost update above is what reaches the weights."))
+
+def _figure_lines(run: Run, ref: Run | None, fig_dir: Path) -> list[str]:
+    "The figure sections (loss, gradient agreement, heat maps, code histograms), drawn into `fig_dir`, with their hot spots."
+    figs = [("Loss", _save(plot_loss(run, ref, run.fmt or "reference"), fig_dir / "loss.png"),
              f"Training loss per batch (faint) with its running mean over {SMOOTH_WINDOW} steps (bold), validation loss (dots); "
              "dashed: first NaN; dotted: interventions.", None),
             ("Gradient agreement", _save(plot_cosine(run), fig_dir / "grad_cosine.png"),
@@ -707,10 +615,11 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
              "Fraction of elements beyond the format's range after scaling, for W, A and G of every quantized layer.", "overflow/"),
             ("Where the format hurts: underflow", _save(plot_heatmap(run, "underflow/", "underflow rate (layer/tensor × step)"), fig_dir / "underflow_heatmap.png"),
              "Fraction of non-zero elements flushed to zero.", "underflow/"),
-            ("Where the format hurts: bit-stall", _save(plot_heatmap(run, "stall/", "bit-stall rate (layer × step)", vmax=1), fig_dir / "stall_heatmap.png"),
-             stall_cap, "stall/"),
+            ("Where the format hurts: bit-stall", _save(plot_heatmap(run, "stall/", "bit-stall rate (layer × step)"), fig_dir / "stall_heatmap.png"),
+             _stall_caption(run.config.get("master_weights", "fp32") == "format"), "stall/"),
             ("Code histograms", _save(plot_histograms(run), fig_dir / "histograms.png"),
              "How the 256 codes are used by W, A and G of an early, a middle and a late layer.", None)]
+    L = []
     for head, path, cap, prefix in figs:
         L += [f"## {head}", ""]
         L += [f"![{head}]({path})", "", cap, ""] if path else ["Not available for this run (no such metrics were logged).", ""]
@@ -719,27 +628,42 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
             L += ["Highest (mean over the run; largest value and its step): " + "; ".join(
                 f"`{short_layer(n)}` {fmt_num(mean, '.3g')} (max {fmt_num(mx, '.3g')} at step {st})" for n, mean, mx, st in hs) + "."
                   if hs else "Zero in every layer and tensor for the whole run.", ""]
-    L += mechanism_section(run, fig_dir)
-    ev = _events(run)
-    alerts = [a for a in run.alerts if a.get("kind") == "intervention"]
-    L += ["## Interventions", ""]
+    return L
+
+def _intervention_lines(run: Run) -> list[str]:
+    ev, alerts = _events(run), [a for a in run.alerts if a.get("kind") == "intervention"]
+    L = ["## Interventions", ""]
     if ev or alerts:
         L += ["| step | layer | what |", "|---|---|---|"]
         for a in alerts: L.append(f"| {a.get('step')} | {a.get('layer', '')} | {a.get('title', '')}: {a.get('text', '')} |")
         if not alerts:
             for e in ev: L.append(f"| {e['step']} | {e['layer']} | intervention |")
-    else: L.append("None." if cfg.get("interventions") else "Interventions were switched off for this run.")
-    L += [""]
+    else: L.append("None." if run.config.get("interventions") else "Interventions were switched off for this run.")
+    return L + [""]
+
+def _failure_lines(run: Run, out: Path) -> list[str]:
     fa = failure_analysis(run)
-    L += ["## Failure analysis", ""]
-    if fa is None: L += ["The loss stayed finite for the whole run.", ""]
-    else:
-        L += [f"- **First NaN:** step {fa['step']}", f"- **Where it started:** {fa['origin'] or 'unknown'}",
-              f"- **Loss just before:** " + ", ".join(f"step {s}: {fmt_num(v)}" for s, v in fa["losses_before"]),
-              f"- **Global gradient norm just before:** {fmt_num(fa['grad_norm_before'])}",
-              "- **Highest overflow rates just before:** " + (", ".join(f"{k[9:]} {fmt_num(v, '.3g')}" for k, v in fa["top_overflow"]) or "none logged"),
-              "- **Largest gradient L∞ norms just before:** " + (", ".join(f"{k[15:]} {fmt_num(v, '.3g')}" for k, v in fa["top_grad_norm"]) or "none logged"),
-              f"- **Failure checkpoint:** {_rel(fa['checkpoint'], out) or 'none saved'}", ""]
+    L = ["## Failure analysis", ""]
+    if fa is None: return L + ["The loss stayed finite for the whole run.", ""]
+    return L + [f"- **First NaN:** step {fa['step']}", f"- **Where it started:** {fa['origin'] or 'unknown'}",
+                f"- **Loss just before:** " + ", ".join(f"step {s}: {fmt_num(v)}" for s, v in fa["losses_before"]),
+                f"- **Global gradient norm just before:** {fmt_num(fa['grad_norm_before'])}",
+                "- **Highest overflow rates just before:** " + (", ".join(f"{k[9:]} {fmt_num(v, '.3g')}" for k, v in fa["top_overflow"]) or "none logged"),
+                "- **Largest gradient L∞ norms just before:** " + (", ".join(f"{k[15:]} {fmt_num(v, '.3g')}" for k, v in fa["top_grad_norm"]) or "none logged"),
+                f"- **Failure checkpoint:** {_rel(fa['checkpoint'], out) or 'none saved'}", ""]
+
+def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setup: dict | None = None,
+                 unigram: float | None = None) -> Path:
+    """Render `out_dir/report.md` and `out_dir/figures/*.png` for the run in `run_dir` against `ref_dir`.
+
+    `unigram`: validation loss of the unigram baseline (`altgrad.data.unigram_baseline`), for the progress lost;
+    stored with the other inputs in `out_dir/report_inputs.json`."""
+    run, ref = load_run(run_dir), (load_run(ref_dir) if ref_dir else None)
+    out = Path(out_dir); fig_dir = out / "figures"; fig_dir.mkdir(parents=True, exist_ok=True)
+    S = run_summary(run, ref, unigram)
+    L = [f"# {title or (run.fmt or 'reference') + ': 8-bit training write-up'}", ""]
+    L += _setup_lines(run, ref, extra_setup) + _results_lines(run, ref, S, unigram) + _figure_lines(run, ref, fig_dir)
+    L += mechanism_section(run, fig_dir) + _intervention_lines(run) + _failure_lines(run, out)
     L += ["## Verdict", "", f"Verdict: {S['verdict']}", "", S["reason"][0].upper() + S["reason"][1:] + ".", "",
           "Criteria (seed 002): PASS = all steps run, final validation loss within 10% of the reference's and mean gradient "
           "cosine over the 8-bit layers' weights above 0.9; FAIL at step N = non-finite loss (first NaN) or stopped early "
@@ -750,50 +674,174 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
     (out / REPORT_INPUTS).write_text(json.dumps(inputs, indent=1, default=str) + "\n")
     return p
 
+# %% ../nbs/30_report.ipynb #a5e0c002
+def model_layers(config, layer_formats=None) -> tuple[list[str], list[str]]:
+    """(names of the model's linear layers that can be 8-bit, names of those that are) for `config` (TrainConfig or a
+    run's config dict) and `layer_formats` (default: its own)."""
+    import warnings, torch
+    from dataclasses import fields
+    from altgrad.config import TrainConfig
+    from altgrad.model import GPT, GPTConfig
+    from altgrad.quantized import quantize_model, quantize_model_from_config, quantized_layers
+    if isinstance(config, TrainConfig): c = config
+    else:
+        valid = {f.name for f in fields(TrainConfig)}
+        from altgrad.runs import current_keys
+        c = TrainConfig.from_dict({k: v for k, v in current_keys(dict(config)).items() if k in valid})
+    if layer_formats is not None: c = c.replace(layer_formats=[list(r) for r in layer_formats])
+    def build():
+        with torch.device("meta"):
+            return GPT(GPTConfig(block_size=c.block_size, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
+                                 n_embd=c.n_embd, dropout=c.dropout, bias=c.bias))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                     # layout patterns that match no layer
+        linear = [n for n, _ in quantized_layers(quantize_model(build(), format="E4M3"))]
+        q = [n for n, _ in quantized_layers(quantize_model_from_config(build(), c))] if (c.fmt or c.layer_formats) else []
+    return linear, q
+
+def count_8bit_layers(run: Run) -> tuple[int | None, int | None]:
+    "(8-bit linear layers, linear layers) of a run: from its summary.json when recorded, else from its config (`model_layers`)."
+    q, n = run.summary.get("quantized_layers"), run.summary.get("linear_layers")
+    if q is not None and n is not None: return int(q), int(n)
+    try:
+        lin, q8 = model_layers(run.config)
+        return len(q8), len(lin)
+    except Exception:                                       # an unusual config: count the layers that logged 8-bit metrics
+        q8 = {k.split("/")[1] for k in run.keys("overflow/") if k.count("/") == 2}
+        return (len(q8) or None), None
+
+def summary_row(name: str, run: Run | None, ref: Run | None = None, marker: dict | None = None, unigram: float | None = None) -> dict:
+    "The numbers of one table row: `run_summary` with the row's `name` (`marker`: a reused run's `reused.json`)."
+    if run is None: return dict(name=name, verdict="NOT RUN")
+    s = run_summary(run, ref, unigram); s["name"] = name
+    if marker: s.update(fmt=marker["format"], reused_from=marker["reused_from"], reuse_note=marker["note"])
+    s["quantized_layers"], s["linear_layers"] = count_8bit_layers(run)
+    return s
+
+def summary_rows(runs: dict, ref: Run | None = None, out=None, unigram: float | None = None) -> list[dict]:
+    "Summary numbers of each run of `load_runs` against the reference `Run` (reuse markers read from `out`)."
+    return [summary_row(n, run, ref, reuse_marker(Path(out) / n) if out is not None else None, unigram) for n, run in runs.items()]
+
+# %% ../nbs/30_report.ipynb #a5e0c003
+def plot_sweep(runs: dict, ref: Run | None = None, tolerance: float = 0.10):
+    """Validation loss of every run, the reference in black dashes on top (left); each run's final validation loss minus
+    the reference's, in nats, with the PASS bound (`tolerance` × the reference's loss) (right)."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    labels, diffs, colors = [], [], []
+    ref_v = ref.last("val/loss") if ref is not None else None
+    for i, (n, run) in enumerate(runs.items()):
+        if run is None: continue
+        s, v = run.series("val/loss")
+        a1.plot(s, v, "o-", ms=2.5, lw=1, color=f"C{i}", label=n)
+        tl_s, tl_v = run.series("train/loss"); bad = tl_s[~np.isfinite(tl_v)]
+        if len(bad): a1.axvline(bad[0], color=f"C{i}", ls="--", lw=0.8)
+        last = run.last("val/loss")
+        labels.append(n); diffs.append(last - ref_v if (last is not None and ref_v is not None) else np.nan); colors.append(f"C{i}")
+    if ref is not None:
+        s, v = ref.series("val/loss"); a1.plot(s, v, "k--", lw=1.6, zorder=5, label="reference")
+    a1.set(xlabel="step", ylabel="validation loss (nats)", title="validation loss (dashed verticals: first NaN)"); legend(a1, fontsize=7)
+    x = np.arange(len(labels)); d = np.asarray(diffs, dtype=float)
+    a2.bar(x, np.nan_to_num(d, nan=0.0), color=colors)
+    for xi, di in zip(x, d):
+        a2.annotate("no loss" if np.isnan(di) else f"{di:+.3f}", (xi, 0 if np.isnan(di) else di), ha="center",
+                    va="bottom" if np.isnan(di) or di >= 0 else "top", fontsize=7, xytext=(0, 2 if np.isnan(di) or di >= 0 else -2),
+                    textcoords="offset points")
+    a2.axhline(0, color="k", lw=0.8)
+    if ref_v is not None: a2.axhline(tolerance * ref_v, color="k", ls=":", lw=1, label=f"PASS bound ({1 + tolerance:.2f}× the reference)")
+    fin = d[np.isfinite(d)]
+    hi = max([tolerance * ref_v if ref_v is not None else 0.0, *fin, 0.0]); lo = min([*fin, 0.0])
+    pad = 0.12 * (hi - lo or 1.0); a2.set_ylim(lo - pad, hi + pad)
+    a2.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    a2.set(ylabel="final val loss − reference (nats)", title="final validation loss relative to the reference"); legend(a2, fontsize=7)
+    fig.tight_layout(); return fig
+
+def plot_reference(r: Run, unigram: float | None = None):
+    "Training and validation loss of the reference `Run`, with the unigram baseline it has to beat."
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    s, v = r.series("train/loss"); ax.plot(s, v, lw=0.8, alpha=0.6, label="train loss")
+    s, v = r.series("val/loss"); ax.plot(s, v, "o-", ms=3, label="validation loss")
+    if unigram is not None: ax.axhline(unigram, color="k", ls=":", label=f"unigram baseline ({unigram:.3f})")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"reference run ({r.summary.get('device', '?')})")
+    legend(ax); fig.tight_layout(); return fig
+
+# %% ../nbs/30_report.ipynb #a5e0c004
+TABLE_HEAD = ("| run | format | precision rules | 8-bit layers | final val loss | ratio to reference | progress lost | "
+              "quantized-layer cosine | all-parameter cosine | lost update | mean bit-stall | max overflow | failure step | verdict |")
+
+def layout_text(layer_formats) -> str:
+    "A precision layout as a table cell: 'uniform', or 'pattern→format; ...'."
+    if not layer_formats: return "uniform"
+    return "; ".join(f"{p}→{f or 'high precision'}" for p, f in layer_formats)
+
+def _table_row(r: dict) -> str:
+    if r.get("verdict") == "NOT RUN": return f"| {r['name']} |" + " |" * 12 + " NOT RUN |"
+    src = r.get("reused_from")
+    link = f"[{r['name']}]({src or r['name']}/report.md)" + (f" (= {src} run)" if src else "")
+    q, n = r.get("quantized_layers"), r.get("linear_layers")
+    layers = "—" if q is None else f"{q}/{n}" if n is not None else f"{q}"
+    return (f"| {link} | {r['fmt']} | {layout_text(r['layer_formats'])} | {layers} | {fmt_num(r.get('final_val_loss'))} | "
+            f"{fmt_num(r.get('ratio_to_ref'), '.3f')} | {fmt_num(r.get('progress_lost'), '.3f')} | "
+            f"{fmt_num(r.get('quantized_cos'), '.4f')} | {fmt_num(r.get('all_cos'), '.4f')} | "
+            f"{fmt_num(r.get('mean_lost_update'), '.3g')} | {fmt_num(r.get('mean_stall'), '.3f')} | "
+            f"{fmt_num(r.get('max_overflow'), '.3g')} | {fmt_num(r.get('first_nan_step'))} | {r['verdict']} |")
+
+def _save_fig(fig, path: Path):
+    fig.savefig(path, dpi=FIG_DPI); plt.close(fig)
+
+def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed: int, note: str = "",
+                  unigram: float | None = None, notes=(), runs: dict | None = None) -> Path:
+    """Write `out/summary.md` (+ `summary.png`, `reference.png`, `summary.json`) for the runs `names`.
+
+    `preset`: the preset's name as it ran (not 'auto'); `note`: settings paragraph(s) above the table; `notes`: lines
+    under it (reuse notes are added from the markers); `runs`: already loaded `{name: Run}` (the rest are loaded)."""
+    out = Path(out)
+    runs = {**load_runs(out, [n for n in names if n not in (runs or {})]), **(runs or {})}
+    runs = {n: runs[n] for n in names}
+    ref = load_run(ref_dir) if ref_dir else None
+    rows = summary_rows(runs, ref, out, unigram)
+    _save_fig(plot_sweep(runs, ref), out / "summary.png")
+    if ref is not None and ref.summary.get("device"): dev = ref.summary["device"]
+    else:
+        import torch
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    L = ["# Sweep summary", "",
+         f"Preset `{preset}`, {steps} steps, seed {seed}, device `{dev}`. Reference: "
+         f"final validation loss {fmt_num(ref.last('val/loss') if ref else None)} "
+         f"({'FP32' if dev == 'cpu' else 'BF16 autocast'}). Each format's write-up is in `<name>/report.md`.", ""]
+    if ref is not None:
+        _save_fig(plot_reference(ref, unigram), out / "reference.png")
+        tps = ref.summary.get("tokens_per_sec")
+        L += [f"The reference ran {ref.summary.get('final_step')} steps at {fmt_num(tps, ',.0f')} tokens/s (median step); "
+              f"its validation loss {fmt_num(ref.last('val/loss'))} nats/token against the unigram baseline "
+              f"{fmt_num(unigram)} (add-one smoothed train unigram, scored on validation).", "",
+              "![reference](reference.png)", ""]
+    if note: L += [note, ""]
+    L += [TABLE_HEAD, "|" + "---|" * TABLE_HEAD.count(" | ") + "---|"]
+    L += [_table_row(r) for r in rows]
+    below = [r["reuse_note"] for r in rows if r.get("reuse_note")] + list(notes)
+    if below: L += [""] + [f"- {x}" for x in below]
+    L += ["", "8-bit layers: linear layers simulated in 8-bit / all linear layers (the tied embedding/LM head excluded).", "",
+          "![sweep](summary.png)", ""]
+    (out / "summary.md").write_text("\n".join(L))
+    (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
+    return out / "summary.md"
+
 # %% ../nbs/30_report.ipynb #16f62f3d
 SWEEP_INPUTS = "sweep.json"   # optional: write_summary's arguments, if the sweep stores them
 
-def is_writeup(d) -> bool:
-    "A write-up folder: holds the run folder `run/` (with its `config.yaml`)."
-    return (Path(d) / "run" / "config.yaml").exists()
-
-def is_sweep(d) -> bool:
-    "A sweep folder: holds `_reference/` and the sweep's `summary.json`."
-    return (Path(d) / "_reference").is_dir() and (Path(d) / "summary.json").exists()
-
-def _subdirs(d: Path) -> list[Path]:
-    return sorted(x for x in d.iterdir() if x.is_dir() and not x.name.startswith(("_", ".")) and x.name not in ("figures", "run", "checkpoints", "wandb"))
-
-def find_writeups(path) -> list[Path]:
-    "`path` if it is a write-up, else every write-up below it (sorted, `_reference`/`_data` skipped)."
-    p = Path(path)
-    if is_writeup(p): return [p]
-    return [w for c in _subdirs(p) for w in find_writeups(c)]
-
-def find_sweeps(path) -> list[Path]:
-    "Every sweep folder at or below `path`, deepest first."
-    p = Path(path)
-    if is_writeup(p): return []
-    return [s for c in _subdirs(p) for s in find_sweeps(c)] + ([p] if is_sweep(p) else [])
-
-def _yaml(p: Path) -> dict:
-    import yaml
-    try: return yaml.safe_load(p.read_text()) or {}
-    except (OSError, yaml.YAMLError): return {}
-
 def _match_reference(out: Path) -> Path | None:
     "The `_reference/*` run beside write-up `out` with the same model, batch, length, seed and learning rate."
-    cfg = _yaml(out / "run" / "config.yaml")
+    cfg = read_yaml(out / "run" / "config.yaml")
     keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_steps", "seed", "lr")
     for d in sorted((out.parent / "_reference").glob("*")):
-        rc = _yaml(d / "config.yaml")
+        rc = read_yaml(d / "config.yaml")
         if rc and all(rc.get(k) == cfg.get(k) for k in keys): return d
     return None
 
 def report_inputs(out_dir) -> dict:
     "The inputs of the write-up in `out_dir`: its `report_inputs.json`, else inferred (`inferred: True`)."
     out = Path(out_dir)
-    inp = _read_json(out / REPORT_INPUTS, None)
+    inp = read_json(out / REPORT_INPUTS)
     if isinstance(inp, dict): return inp
     ref = _match_reference(out)
     m = re.match(r"^(\w+)-s\d+-n\d+$", ref.name) if ref else None
@@ -817,41 +865,39 @@ def _old_note(summary_md: Path) -> str:
     except (ValueError, StopIteration):
         return " ".join(l for l in lines if l.startswith("Master weights:"))
 
-def regenerate_summary(sweep_dir, unigram: float | None = None) -> tuple[Path | None, str]:
-    "(path of the rewritten `summary.md` or None, what was done) for the sweep folder `sweep_dir`."
+def summary_inputs(sweep_dir, unigram: float | None = None) -> tuple[dict | None, str]:
+    """(the `write_summary` arguments of the sweep folder `sweep_dir`, '') or (None, why they cannot be told): names from
+    its `summary.json` rows; reference, steps, seed, preset from the reference folder; `note` from the old `summary.md`;
+    any of them (and `notes`) from `sweep.json` where the sweep stored it."""
     d = Path(sweep_dir)
-    try: from altgrad import sweep
-    except Exception as e: return None, f"altgrad.sweep is not importable ({type(e).__name__}: {e}); summary.md left as it is"
-    if hasattr(sweep, "rewrite_summary"): return sweep.rewrite_summary(d), "rewritten by altgrad.sweep.rewrite_summary"
-    rows = _read_json(d / "summary.json", None)
+    rows = read_json(d / "summary.json")
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "name" in r for r in rows):
-        return None, "summary.json holds no list of named rows; summary.md left as it is"
+        return None, "summary.json holds no list of named rows"
     names = [r["name"] for r in rows]
-    args = _read_json(d / SWEEP_INPUTS, None) or {}
+    args = read_json(d / SWEEP_INPUTS) or {}
     w = [n for n in names if is_writeup(d / n)]
     lost = [n for n in w if metrics_file(d / n / "run") is None]
-    if lost: return None, f"no metrics for {', '.join(lost)} (run folders without metrics.jsonl/metrics.parquet); summary.md left as it is"
+    if lost: return None, f"no metrics for {', '.join(lost)} (run folders without metrics.jsonl/metrics.parquet)"
     first = report_inputs(d / w[0]) if w else {}
     refs = sorted(x for x in (d / "_reference").iterdir() if x.is_dir())
     ref = (d / args["ref_dir"]) if args.get("ref_dir") else ((d / w[0] / first["ref"]) if first.get("ref") else (refs[0] if len(refs) == 1 else None))
-    if ref is None: return None, "cannot tell which _reference run the sweep used; summary.md left as it is"
-    rc = _yaml(ref / "config.yaml")
+    if ref is None: return None, "cannot tell which _reference run the sweep used"
+    rc = read_yaml(ref / "config.yaml")
     m = re.match(r"^(\w+)-s\d+-n\d+$", Path(ref).resolve().name)
     kw = dict(out=d, names=args.get("names", names), ref_dir=ref, preset=args.get("preset", m.group(1) if m else "auto"),
               steps=args.get("steps", rc.get("max_steps")), seed=args.get("seed", rc.get("seed")),
               note=args["note"] if "note" in args else _old_note(d / "summary.md"),
               unigram=unigram if unigram is not None else args.get("unigram", first.get("unigram")))
     if "notes" in args: kw["notes"] = args["notes"]
-    for n in kw["names"]:
-        if (d / n / "run").is_dir() and metrics_file(d / n / "run") is not None:
-            if sweep.load_runs(d, [n]).get(n) is None:
-                return None, "altgrad.sweep.load_runs does not read metrics.parquet yet; summary.md left as it is"
-            break
-    params = inspect.signature(sweep.write_summary).parameters
-    missing = [p for p, v in params.items() if v.default is inspect.Parameter.empty and p not in kw]
-    if missing: return None, f"altgrad.sweep.write_summary needs {missing}, which the folder does not record; summary.md left as it is"
-    return sweep.write_summary(**{k: v for k, v in kw.items() if k in params}), "rewritten by altgrad.sweep.write_summary"
+    return kw, ""
 
+def regenerate_summary(sweep_dir, unigram: float | None = None) -> tuple[Path | None, str]:
+    "(path of the rewritten `summary.md` or None, what was done) for the sweep folder `sweep_dir`."
+    kw, why = summary_inputs(sweep_dir, unigram)
+    if kw is None: return None, why + "; summary.md left as it is"
+    return write_summary(**kw), "rewritten by altgrad.report.write_summary"
+
+# %% ../nbs/30_report.ipynb #a5e0c007
 def report_cli(argv: list[str] | None = None) -> int:
     "`altgrad-report PATH [--unigram X | --data-dir DIR] [--compact] [--no-summary]`"
     p = argparse.ArgumentParser(prog="altgrad-report", description="Regenerate every write-up (report.md + figures) and "
@@ -888,13 +934,7 @@ def report_cli(argv: list[str] | None = None) -> int:
         for s in find_sweeps(root):
             path, what = regenerate_summary(s, unigram)
             print(f"[altgrad-report] {path or s / 'summary.md'}: {what}", file=sys.stdout if path else sys.stderr)
-        for m in find_matrices(root):                     # after the sweeps: a matrix tabulates their summaries
+        if find_matrices(root):                           # after the sweeps: a matrix tabulates their summaries
             from altgrad.matrix import write_matrix
-            print(f"[altgrad-report] {write_matrix(m)}")
+            for m in find_matrices(root): print(f"[altgrad-report] {write_matrix(m)}")
     return 1 if skipped else 0
-
-def find_matrices(path) -> list[Path]:
-    "Every rule-matrix folder (holding `matrix.json`, see `altgrad.matrix`) at or below `path`, deepest first."
-    p = Path(path)
-    if is_writeup(p): return []
-    return [m for c in _subdirs(p) for m in find_matrices(c)] + ([p] if (p / "matrix.json").exists() else [])

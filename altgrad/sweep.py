@@ -4,36 +4,34 @@
 
 # %% ../nbs/31_sweep.ipynb #9d0ef880
 from __future__ import annotations
-import argparse, hashlib, json, math, re, shutil, sys, time, warnings
-from dataclasses import fields
+import argparse, hashlib, json, math, re, shutil, sys, time
 from pathlib import Path
 import numpy as np
 import yaml
-import matplotlib
-import matplotlib.pyplot as plt
 import torch
-from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides
+from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides, missing_keys
 from .formats import get_format, grid_equivalent, equivalent_formats
-from .report import load_run, run_summary, write_report, fmt_num, short_layer
+from .regimes import UPDATE_RULES, get_rule
+from .runs import Run, load_run, load_runs, read_summary, REUSED_FILE, reuse_marker
+from .report import run_summary, write_report, write_summary, fmt_num, short_layer, model_layers, nan_origin
 
 # %% auto #0
-__all__ = ['SEED_ORDER', 'POST_LN_RULES', 'IGNORED_KEYS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'FINISHED', 'REUSED_FILE',
-           'NOTEBOOK_OVERRIDE_PARAMS', 'TABLE_HEAD', 'UPDATE_RULES', 'resolve_preset', 'run_name',
-           'reference_overrides', 'reference_dir', 'ensure_data', 'train', 'saved_config', 'data_identity',
-           'config_diff', 'check_run', 'reference_run', 'format_config', 'grid_key', 'reuse_note', 'reuse_marker',
-           'mark_reused', 'RetryRefused', 'model_layers', 'hot_layers', 'retry_rules', 'find_notebook',
-           'notebook_params', 'run_notebook', 'load_runs', 'count_8bit_layers', 'summary_row', 'summary_rows',
-           'plot_sweep', 'plot_reference', 'write_summary', 'check_overrides', 'settings_note', 'run_sweep',
+__all__ = ['SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'IGNORED_KEYS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'FINISHED',
+           'NOTEBOOK_OVERRIDE_PARAMS', 'GRID_RULES', 'resolve_preset', 'run_name', 'reference_overrides',
+           'reference_dir', 'ensure_data', 'train', 'saved_config', 'data_identity', 'config_diff', 'config_reasons',
+           'check_run', 'RunConflict', 'run_plan', 'reference_run', 'format_config', 'grid_key', 'set_aside',
+           'reuse_note', 'mark_reused', 'RetryRefused', 'hot_layers', 'retry_layout', 'find_notebook',
+           'notebook_params', 'run_notebook', 'check_overrides', 'settings_note', 'run_sweep', 'conflict_message',
            'update_rule_overrides', 'matrix_note', 'sweep_cli']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
 SEED_ORDER = ["E5M2", "E3M4", "E1M6", "E7M0", "E0M7", "E4M3"]
-POST_LN_RULES = [["*.attn.c_attn", "E1M6"], ["*.mlp.c_fc", "E1M6"], ["*", None]]
+POST_LN_LAYER_FORMATS = [["*.attn.c_attn", "E1M6"], ["*.mlp.c_fc", "E1M6"], ["*", None]]
 IGNORED_KEYS = ("out_dir", "data_dir", "resume")   # and every wandb_* key; data_dir is compared by content instead
 NOT_IN_REFERENCE = ("fmt", "fmt_backward", "scaling", "granularity", "block_size_q", "amax_history_len", "amax_algo",
-                    "master_weights", "quantize_grads", "rounding", "margin", "weight_update", "residual_dtype", "rules",
+                    "master_weights", "quantize_grads", "rounding", "margin", "weight_update", "residual_dtype", "layer_formats",
                     "interventions", "stop_on_nan", "shadow", "optimizer")
-SWEEP_KEYS = dict(fmt="--formats", fmt_backward="--formats", rules="(retries set them)", max_steps="--steps", seed="--seed",
+SWEEP_KEYS = dict(fmt="--formats", fmt_backward="--formats", layer_formats="(retries set them)", max_steps="--steps", seed="--seed",
                   out_dir="--out", data_dir="--data-dir", interventions="--interventions", master_weights="--master-weights",
                   stop_on_nan="(follows --interventions)",
                   wandb_mode="--wandb-mode", resume="(finished runs are reused)")
@@ -87,15 +85,16 @@ def ensure_data(data_dir: str | None, out) -> str:
     prepare_eurlex(d, source=(src / "eurlex") if src else None)
     return str(d)
 
-def train(cfg) -> dict:
-    "Run the trainer on `cfg`; returns its summary."
-    from altgrad.trainer import Trainer
-    return Trainer(cfg).fit()
+def train(cfg, overwrite: bool = False) -> dict:
+    """Run the trainer on `cfg` (`overwrite`: an earlier finished run in its folder is moved aside); returns its summary.
 
-def _read_summary(run_dir: Path) -> dict | None:
-    "The trainer's `summary.json` of `run_dir`, or None when missing or unreadable (a run killed before it ended)."
-    try: return json.loads((Path(run_dir) / "summary.json").read_text())
-    except (OSError, ValueError): return None
+    The progress bar is text (`tqdm.std`, on stderr) even inside a Jupyter kernel, where `tqdm.auto` would draw a widget
+    that `papermill --log-output` cannot stream."""
+    import altgrad.trainer as tr
+    from tqdm.std import tqdm as text_bar
+    widget_bar, tr.tqdm = tr.tqdm, text_bar
+    try: return tr.Trainer(cfg, overwrite=overwrite).fit()
+    finally: tr.tqdm = widget_bar
 
 # %% ../nbs/31_sweep.ipynb #1bc6edce
 def saved_config(run_dir) -> TrainConfig:
@@ -131,30 +130,50 @@ def config_diff(saved, requested) -> list[str]:
 
 FINISHED = ("max_steps", "nan")
 
+def config_reasons(run_dir, cfg) -> list[str]:
+    """Why the run in `run_dir` is not a run of `cfg`: keys its config.yaml lacks (but renamed keys and keys added later
+    with the default that reproduces what older runs did, `altgrad.config.missing_keys`), then `config_diff`."""
+    d = Path(run_dir)
+    try:
+        raw = yaml.safe_load((d / "config.yaml").read_text()) or {}
+        lacks = [k for k in missing_keys(raw) if not _ignored(k)]
+        why = [f"config.yaml lacks {', '.join(lacks)} (written by older code; its defaults may not be what ran)"] if lacks else []
+        return why + config_diff(saved_config(d), cfg)
+    except (ConfigError, OSError, ValueError) as e: return [f"config.yaml unusable: {e}"]
+
 def check_run(run_dir, cfg=None, finished=FINISHED) -> tuple:
     """`(Run, [])` when the run in `run_dir` can stand in for the requested `cfg`, else `(None, reasons)`.
 
     Reusable: `summary.json` says it finished (`stopped_reason` in `finished`; all `max_steps` steps unless it stopped
     for NaN), its resolved config equals `cfg` (`config_diff`; skipped when `cfg` is None), and its per-step metrics load."""
     d = Path(run_dir)
-    summ = _read_summary(d)
+    summ = read_summary(d)
     if summ is None: return None, [f"no readable summary.json in {d} (never run, or killed before it ended)"]
     why, reason = [], summ.get("stopped_reason")
     if reason not in finished: why.append(f"stopped_reason={reason!r} is not one of {list(finished)}")
     elif reason == "max_steps" and summ.get("final_step") != summ.get("max_steps"):
         why.append(f"stopped at step {summ.get('final_step')} of {summ.get('max_steps')}")
-    if cfg is not None:
-        try:
-            raw = yaml.safe_load((d / "config.yaml").read_text()) or {}
-            lacks = [k for k in TrainConfig.__dataclass_fields__ if k not in raw and not _ignored(k)]
-            if lacks: why.append(f"config.yaml lacks {', '.join(lacks)} (written by older code; its defaults may not be what ran)")
-            why += config_diff(saved_config(d), cfg)
-        except (ConfigError, OSError, ValueError) as e: why.append(f"config.yaml unusable: {e}")
+    if cfg is not None: why += config_reasons(d, cfg)
     if why: return None, why
     try: run = load_run(d)
     except Exception as e: return None, [f"per-step metrics missing or unreadable: {type(e).__name__}: {e}"]
     if not run.metrics: return None, ["the per-step metrics are empty"]
     return run, []
+
+class RunConflict(ValueError):
+    "The requested run's folder holds a finished or interrupted run of another config: replacing it needs asking for."
+
+def run_plan(run_dir, cfg, finished=FINISHED) -> tuple[str, Run | None, list[str]]:
+    """`(action, Run or None, reasons)` for the requested `cfg` in `run_dir`: 'reuse' (a finished run of this config,
+    `check_run`), 'resume' (an interrupted run of this config: its checkpoint is kept and training continues),
+    'conflict' (a finished or interrupted run of another config: never replaced unasked), or 'train' (nothing usable)."""
+    reason = (read_summary(run_dir) or {}).get("stopped_reason")
+    if reason in (*finished, "interrupted"):
+        diff = config_reasons(run_dir, cfg)
+        if diff: return "conflict", None, diff
+        if reason == "interrupted": return "resume", None, [f"stopped_reason='interrupted': resumable"]
+    run, why = check_run(run_dir, cfg, finished)
+    return ("reuse", run, []) if run is not None else ("train", None, why)
 
 # %% ../nbs/31_sweep.ipynb #a8977c64
 def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, data_dir: str | None = None,
@@ -164,25 +183,30 @@ def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, d
     d = reference_dir(out, preset, seed, steps, **ref)
     cfg = _reference_config(preset, seed, steps, out_dir=str(d), data_dir=ensure_data(data_dir, out), wandb_mode=wandb_mode, **ref)
     if not force:
-        run, why = check_run(d, cfg, finished=("max_steps",))
-        if run is not None: print(f"reusing reference run {d}"); return d
+        action, run, why = run_plan(d, cfg, finished=("max_steps",))
+        if action == "reuse": print(f"reusing reference run {d}"); return d
+        if action == "conflict":
+            raise RunConflict(f"{d} holds a reference run of another config ({'; '.join(why)}): pass --force (force=True) "
+                              "to train it again in its place, or use another output folder")
+        if action == "resume":
+            print(f"resuming the interrupted reference run in {d}", flush=True); train(cfg.replace(resume=True)); return d
         if d.exists(): print(f"not reusing the reference run in {d}: {'; '.join(why)}; training it again", flush=True)
     if d.exists(): shutil.rmtree(d)
     train(cfg); return d
 
-def format_config(fmt: str, out, preset: str = "auto", seed: int = 42, steps: int = 500, data_dir: str | None = None,
-                  rules=None, tag: str = "", interventions: bool = False, master_weights: str = "fp32",
+def format_config(fmt: str, out, preset: str = "auto", seed: int = 42, steps: int | None = None, data_dir: str | None = None,
+                  layer_formats=None, tag: str = "", interventions: bool = False, master_weights: str = "fp32",
                   stop_on_nan: bool = True, shadow: bool = True, wandb_mode: str = "auto", **overrides):
-    "The TrainConfig of one format run (its run folder is `out/<name>/run`)."
+    "The TrainConfig of one format run (its run folder is `out/<name>/run`; `steps` None: the preset's `max_steps`)."
     get_format(fmt)  # clear error for unknown names
     d = Path(out) / run_name(fmt, tag) / "run"
-    return load_config(resolve_preset(preset), fmt=fmt, rules=list(rules or []), max_steps=steps, seed=seed,
+    if steps is not None: overrides["max_steps"] = steps
+    return load_config(resolve_preset(preset), fmt=fmt, layer_formats=list(layer_formats or []), seed=seed,
                        out_dir=str(d), shadow=shadow, interventions=interventions, master_weights=master_weights,
                        stop_on_nan=stop_on_nan, data_dir=ensure_data(data_dir, out), wandb_mode=wandb_mode,
                        wandb_tags=[fmt] + ([tag] if tag else []), **overrides)
 
 # %% ../nbs/31_sweep.ipynb #72e2217e
-REUSED_FILE = "reused.json"
 _RUN_ARTIFACTS = ("run", "figures", "report.md", "summary.json", "metrics.jsonl", "metrics.parquet", "run_format.ipynb")
 
 def grid_key(cfg) -> str:
@@ -191,18 +215,23 @@ def grid_key(cfg) -> str:
     c = lambda f: None if f is None else canon.get(get_format(f).name, get_format(f).name)
     d = {k: v for k, v in cfg.to_dict().items() if not _ignored(k)}
     d["fmt"], d["fmt_backward"] = c(d.get("fmt")), c(d.get("fmt_backward"))
-    d["rules"] = [[p, c(f)] for p, f in d.get("rules") or []]
+    d["layer_formats"] = [[p, c(f)] for p, f in d.get("layer_formats") or []]
     d["data"] = data_identity(cfg.data_dir) or str(Path(cfg.data_dir).resolve())
     return json.dumps(d, sort_keys=True, default=str)
+
+def set_aside(dest) -> Path | None:
+    "Move the write-up and run in `dest` (= out/<name>) whole into `dest/_previous/<time>/`; returns that folder (None: nothing there)."
+    dest = Path(dest); items = [dest / n for n in _RUN_ARTIFACTS + ("report_inputs.json", REUSED_FILE) if n != "run_format.ipynb" and (dest / n).exists()]
+    if not items: return None
+    to = dest / "_previous" / time.strftime("%Y%m%d_%H%M%S")
+    while to.exists(): to = to.with_name(to.name + "_")
+    to.mkdir(parents=True)
+    for p in items: shutil.move(str(p), str(to / p.name))
+    return to
 
 def reuse_note(name: str, source: str, k: int) -> str:
     "The summary line of a run that reused another's (`k`: grid of `name` = 2^k x grid of `source`)."
     return f"{name}: same grid as {source} up to 2^{k} ({name} = 2^{k} × {source}); run reused"
-
-def reuse_marker(dest) -> dict | None:
-    "The `reused.json` of a format folder, or None."
-    try: return json.loads((Path(dest) / REUSED_FILE).read_text())
-    except (OSError, ValueError): return None
 
 def _clear(dest: Path, what=_RUN_ARTIFACTS + (REUSED_FILE,)):
     for n in what:
@@ -227,33 +256,11 @@ def mark_reused(dest, name: str, source: str, fmt: str, source_fmt: str) -> dict
 class RetryRefused(ValueError):
     "A retry layout that would leave too few linear layers in 8-bit to say anything about the format."
 
-def _as_config(config) -> TrainConfig:
-    if isinstance(config, TrainConfig): return config
-    valid = {f.name for f in fields(TrainConfig)}
-    return TrainConfig.from_dict({k: v for k, v in dict(config).items() if k in valid})
-
-def model_layers(config, rules=None) -> tuple[list[str], list[str]]:
-    "(names of the model's linear layers that can be 8-bit, names of those that are) for `config` (TrainConfig or dict) and `rules` (default: its own)."
-    from altgrad.model import GPT, GPTConfig
-    from altgrad.quantized import quantize_model, quantize_model_from_config, quantized_layers
-    c = _as_config(config)
-    if rules is not None: c = c.replace(rules=[list(r) for r in rules])
-    def build():
-        with torch.device("meta"):
-            return GPT(GPTConfig(block_size=c.block_size, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
-                                 n_embd=c.n_embd, dropout=c.dropout, bias=c.bias))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")                     # rules that match no layer
-        linear = [n for n, _ in quantized_layers(quantize_model(build(), format="E4M3"))]
-        q = [n for n, _ in quantized_layers(quantize_model_from_config(build(), c))] if (c.fmt or c.rules) else []
-    return linear, q
-
 def hot_layers(run_dir, overflow_threshold: float = 0.01, stall_threshold: float = 0.5, lost_threshold: float = 0.5) -> list[str]:
     """Layers of a run (folder or `Run`) whose overflow (any of W, A, G) crossed `overflow_threshold`, whose updates were
     lost (mean `stall/<layer>` > `stall_threshold` with weights on the grid, else mean `lost_update/<layer>` > `lost_threshold`),
     plus the NaN origin."""
-    from altgrad.report import nan_origin
-    run = run_dir if hasattr(run_dir, "metrics") else load_run(run_dir)
+    run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
     on_grid = run.config.get("master_weights", "fp32") == "format"
     hot, names = set(), set()
     for k in run.keys("overflow/"):
@@ -273,24 +280,24 @@ def hot_layers(run_dir, overflow_threshold: float = 0.01, stall_threshold: float
     if o: hot |= {n for n in names if n in o or o.startswith(n)}
     return sorted(hot)
 
-def retry_rules(fmt: str, run_dir, n_layer: int | None = None, min_8bit: float = 0.5) -> tuple[str, list]:
-    "(tag, rules) of the retry of a failed uniform run of `fmt`; `RetryRefused` when under `min_8bit` of the linear layers would stay 8-bit."
-    run = run_dir if hasattr(run_dir, "metrics") else load_run(run_dir)
+def retry_layout(fmt: str, run_dir, n_layer: int | None = None, min_8bit: float = 0.5) -> tuple[str, list]:
+    "(tag, layer_formats) of the retry of a failed uniform run of `fmt`; `RetryRefused` when under `min_8bit` of the linear layers would stay 8-bit."
+    run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
     fmt = get_format(fmt).name
-    if fmt == "E1M6": tag, rules = "postln", POST_LN_RULES
+    if fmt == "E1M6": tag, layout = "postln", POST_LN_LAYER_FORMATS
     else:
         hot = hot_layers(run)
         if not hot:
             n = n_layer or run.config.get("n_layer") or 1
             hot = list(dict.fromkeys(["transformer.h.0.*", f"transformer.h.{n - 1}.*"]))
-        tag, rules = "mixed", [[h, None] for h in hot] + [["*", fmt]]
-    linear, q8 = model_layers({**run.config, "fmt": fmt}, rules)
+        tag, layout = "mixed", [[h, None] for h in hot] + [["*", fmt]]
+    linear, q8 = model_layers({**run.config, "fmt": fmt}, layout)
     if len(q8) < min_8bit * len(linear):
         off = [short_layer(n) for n in linear if n not in q8]
         raise RetryRefused(f"retry {run_name(fmt, tag)} refused: its layout would keep only {len(q8)} of {len(linear)} linear "
                            f"layers in {fmt} (fewer than {min_8bit:.0%}), so it would no longer test {fmt}; layers it would "
                            f"take out of 8-bit: {', '.join(off[:8])}{' ...' if len(off) > 8 else ''}")
-    return tag, rules
+    return tag, layout
 
 # %% ../nbs/31_sweep.ipynb #76894daa
 NOTEBOOK_OVERRIDE_PARAMS = ("weight_update", "optimizer", "rounding")
@@ -307,27 +314,28 @@ def _portable(path) -> str:
     p, cwd = Path(path).resolve(), Path.cwd().resolve()
     return str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p)
 
-def notebook_params(fmt: str, out, preset: str = "auto", steps: int = 500, seed: int = 42, rules=None, tag: str = "",
+def notebook_params(fmt: str, out, preset: str = "auto", steps: int | None = None, seed: int = 42, layer_formats=None, tag: str = "",
                     interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
                     data_dir: str = "", wandb_mode: str = "auto", overrides: dict | None = None) -> dict:
-    "The papermill parameters of one format run (`overrides` split into named update-rule keys and a JSON `overrides`)."
-    params = dict(fmt=fmt, preset=preset, steps=steps, seed=seed, interventions=interventions, master_weights=master_weights,
-                  out_dir=_portable(out), stop_on_nan=stop_on_nan, rules=json.dumps(rules or []), tag=tag,
+    "The papermill parameters of one format run (`overrides` split into named update-rule keys and a JSON `overrides`; `steps` None: the preset's)."
+    params = dict(fmt=fmt, preset=preset, seed=seed, interventions=interventions, master_weights=master_weights,
+                  out_dir=_portable(out), stop_on_nan=stop_on_nan, layer_formats=json.dumps(layer_formats or []), tag=tag,
                   data_dir=data_dir, wandb_mode=wandb_mode)
+    if steps is not None: params["steps"] = steps
     ov = dict(overrides or {})
     for k in NOTEBOOK_OVERRIDE_PARAMS:
         if k in ov: params[k] = ov.pop(k)
     if ov: params["overrides"] = json.dumps(ov)
     return params
 
-def run_notebook(fmt: str, out, preset: str = "auto", steps: int = 500, seed: int = 42, rules=None, tag: str = "",
+def run_notebook(fmt: str, out, preset: str = "auto", steps: int | None = None, seed: int = 42, layer_formats=None, tag: str = "",
                  interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
                  data_dir: str = "", wandb_mode: str = "auto", progress: bool = False, overrides: dict | None = None,
                  force: bool = False) -> Path:
     "Execute the experiment notebook for one format (it reuses a matching finished run unless `force`); returns `out/<name>/report.md`."
     import papermill as pm
     name = run_name(fmt, tag); dest = Path(out) / name; dest.mkdir(parents=True, exist_ok=True)
-    params = notebook_params(fmt, out, preset, steps, seed, rules, tag, interventions, master_weights, stop_on_nan, data_dir,
+    params = notebook_params(fmt, out, preset, steps, seed, layer_formats, tag, interventions, master_weights, stop_on_nan, data_dir,
                              wandb_mode, overrides)
     if force: params["force"] = True
     nb = find_notebook()
@@ -335,141 +343,9 @@ def run_notebook(fmt: str, out, preset: str = "auto", steps: int = 500, seed: in
     missing = [k for k in params if k not in declared]
     if missing: raise RuntimeError(f"{nb} takes no parameter(s) {', '.join(missing)} (it declares {', '.join(sorted(declared))}); "
                                    "update its parameters cell so that these overrides reach the run")
-    pm.execute_notebook(str(nb), str(dest / "run_format.ipynb"), parameters=params,
+    pm.execute_notebook(str(nb), str(dest / "run_format.ipynb"), parameters=params, log_output=True,
                         progress_bar=progress, cwd=str(Path.cwd()), kernel_name="python3")
     return dest / "report.md"
-
-# %% ../nbs/31_sweep.ipynb #bb608ee7
-def _rules_text(rules) -> str:
-    if not rules: return "uniform"
-    return "; ".join(f"{p}→{f or 'high precision'}" for p, f in rules)
-
-def load_runs(out, names: list[str]) -> dict:
-    "`{name: Run or None}` for the run folders `out/<name>/run` (a reused row: the run it reused; None: not run or incomplete)."
-    res = {}
-    for n in names:
-        m = reuse_marker(Path(out) / n)
-        try: res[n] = load_run(Path(out) / (m["reused_from"] if m else n) / "run")
-        except Exception: res[n] = None
-    return res
-
-def _mean_of(run, key: str):
-    _, v = run.series(key); v = v[np.isfinite(v)]
-    return float(v.mean()) if len(v) else None
-
-def count_8bit_layers(run) -> tuple[int | None, int | None]:
-    "(8-bit linear layers, linear layers) of a run: from its summary.json when recorded, else from its config (`model_layers`)."
-    q, n = run.summary.get("quantized_layers"), run.summary.get("linear_layers")
-    if q is not None and n is not None: return int(q), int(n)
-    try:
-        lin, q8 = model_layers(run.config)
-        return len(q8), len(lin)
-    except Exception:                                       # an unusual config: count the layers that logged 8-bit metrics
-        q8 = {k.split("/")[1] for k in run.keys("overflow/") if k.count("/") == 2}
-        return (len(q8) or None), None
-
-def _run_summary(run, ref, unigram):
-    "`run_summary`, given the unigram baseline where it takes one (for `progress_lost`)."
-    import inspect
-    kw = dict(unigram=unigram) if "unigram" in inspect.signature(run_summary).parameters else {}
-    return run_summary(run, ref, **kw)
-
-def summary_row(name: str, run, ref=None, marker: dict | None = None, unigram: float | None = None) -> dict:
-    "The numbers of one table row (`run_summary` plus fallbacks for keys it may lack; `marker`: a reused run's `reused.json`)."
-    if run is None: return dict(name=name, verdict="NOT RUN")
-    s = _run_summary(run, ref, unigram); s["name"] = name
-    if marker: s.update(fmt=marker["format"], reused_from=marker["reused_from"], reuse_note=marker["note"])
-    fallback = dict(all_cos=lambda: s.get("mean_grad_cos"), quantized_cos=lambda: _mean_of(run, "grad_cos_sim/quantized_mean"),
-                    mean_lost_update=lambda: _mean_of(run, "lost_update/total"))
-    for k, f in fallback.items():
-        if s.get(k) is None: s[k] = f()
-    s["quantized_layers"], s["linear_layers"] = count_8bit_layers(run)
-    return s
-
-def summary_rows(runs: dict, ref=None, out=None, unigram: float | None = None) -> list[dict]:
-    "Summary numbers of each run of `load_runs` against the reference `Run` (reuse markers read from `out`)."
-    return [summary_row(n, run, ref, reuse_marker(Path(out) / n) if out is not None else None, unigram) for n, run in runs.items()]
-
-def plot_sweep(runs: dict, ref=None):
-    "Validation loss of every run over the reference (left) and final loss ratio to the reference (right)."
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
-    if ref is not None:
-        s, v = ref.series("val/loss"); a1.plot(s, v, "k-", lw=2, label="reference")
-    labels, ratios, colors = [], [], []
-    ref_v = ref.last("val/loss") if ref is not None else None
-    for i, (n, run) in enumerate(runs.items()):
-        if run is None: continue
-        s, v = run.series("val/loss")
-        a1.plot(s, v, "o-", ms=2.5, lw=1, color=f"C{i}", label=n)
-        tl_s, tl_v = run.series("train/loss"); bad = tl_s[~np.isfinite(tl_v)]
-        if len(bad): a1.axvline(bad[0], color=f"C{i}", ls="--", lw=0.8)
-        last = run.last("val/loss")
-        labels.append(n); ratios.append(last / ref_v if (last and ref_v) else np.nan); colors.append(f"C{i}")
-    a1.set(xlabel="step", ylabel="validation loss (nats)", title="validation loss (dashed: first NaN)"); a1.legend(fontsize=7)
-    a2.bar(range(len(labels)), np.nan_to_num(ratios, nan=0.0), color=colors)
-    a2.axhline(1.1, color="k", ls=":", lw=1, label="PASS bound (1.10×)")
-    a2.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
-    a2.set(ylabel="final val loss / reference", title="final loss relative to the reference"); a2.legend(fontsize=7)
-    fig.tight_layout(); return fig
-
-def plot_reference(r, unigram: float | None = None):
-    "Training and validation loss of the reference `Run`, with the unigram baseline it has to beat."
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    s, v = r.series("train/loss"); ax.plot(s, v, lw=0.8, alpha=0.6, label="train loss")
-    s, v = r.series("val/loss"); ax.plot(s, v, "o-", ms=3, label="validation loss")
-    if unigram is not None: ax.axhline(unigram, color="k", ls=":", label=f"unigram baseline ({unigram:.3f})")
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"reference run ({r.summary.get('device', '?')})")
-    ax.legend(); fig.tight_layout(); return fig
-
-TABLE_HEAD = ("| run | format | precision rules | 8-bit layers | final val loss | ratio to reference | progress lost | "
-              "quantized-layer cosine | all-parameter cosine | lost update | mean bit-stall | max overflow | failure step | verdict |")
-
-def _table_row(r: dict) -> str:
-    if r.get("verdict") == "NOT RUN": return f"| {r['name']} |" + " |" * 12 + " NOT RUN |"
-    src = r.get("reused_from")
-    link = f"[{r['name']}]({src or r['name']}/report.md)" + (f" (= {src} run)" if src else "")
-    q, n = r.get("quantized_layers"), r.get("linear_layers")
-    layers = "—" if q is None else f"{q}/{n}" if n is not None else f"{q}"
-    return (f"| {link} | {r['fmt']} | {_rules_text(r['rules'])} | {layers} | {fmt_num(r.get('final_val_loss'))} | "
-            f"{fmt_num(r.get('ratio_to_ref'), '.3f')} | {fmt_num(r.get('progress_lost'), '.3f')} | "
-            f"{fmt_num(r.get('quantized_cos'), '.4f')} | {fmt_num(r.get('all_cos'), '.4f')} | "
-            f"{fmt_num(r.get('mean_lost_update'), '.3g')} | {fmt_num(r.get('mean_stall'), '.3f')} | "
-            f"{fmt_num(r.get('max_overflow'), '.3g')} | {fmt_num(r.get('first_nan_step'))} | {r['verdict']} |")
-
-def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed: int, note: str = "",
-                  unigram: float | None = None, notes=(), runs: dict | None = None) -> Path:
-    """Write `out/summary.md` (+ `summary.png`, `reference.png`, `summary.json`) for the runs `names`.
-
-    `note`: settings paragraph(s) above the table; `notes`: lines under it (reuse notes are added from the markers);
-    `runs`: already loaded `{name: Run}` (the rest are loaded)."""
-    out = Path(out)
-    runs = {**load_runs(out, [n for n in names if n not in (runs or {})]), **(runs or {})}
-    runs = {n: runs[n] for n in names}
-    ref = load_run(ref_dir) if ref_dir else None
-    rows = summary_rows(runs, ref, out, unigram)
-    fig = plot_sweep(runs, ref); fig.savefig(out / "summary.png", dpi=110); plt.close(fig)
-    dev = (ref.summary.get("device") if ref else None) or ("cuda" if torch.cuda.is_available() else "cpu")
-    L = ["# Sweep summary", "",
-         f"Preset `{resolve_preset(preset)}`, {steps} steps, seed {seed}, device `{dev}`. Reference: "
-         f"final validation loss {fmt_num(ref.last('val/loss') if ref else None)} "
-         f"({'FP32' if dev == 'cpu' else 'BF16 autocast'}). Each format's write-up is in `<name>/report.md`.", ""]
-    if ref is not None:
-        fig = plot_reference(ref, unigram); fig.savefig(out / "reference.png", dpi=110); plt.close(fig)
-        tps = ref.summary.get("tokens_per_sec")
-        L += [f"The reference ran {ref.summary.get('final_step')} steps at {fmt_num(tps, ',.0f')} tokens/s (median step); "
-              f"its validation loss {fmt_num(ref.last('val/loss'))} nats/token against the unigram baseline "
-              f"{fmt_num(unigram)} (add-one smoothed train unigram, scored on validation).", "",
-              "![reference](reference.png)", ""]
-    if note: L += [note, ""]
-    L += [TABLE_HEAD, "|" + "---|" * TABLE_HEAD.count(" | ") + "---|"]
-    L += [_table_row(r) for r in rows]
-    below = [r["reuse_note"] for r in rows if r.get("reuse_note")] + list(notes)
-    if below: L += [""] + [f"- {x}" for x in below]
-    L += ["", "8-bit layers: linear layers simulated in 8-bit / all linear layers (the tied embedding/LM head excluded).", "",
-          "![sweep](summary.png)", ""]
-    (out / "summary.md").write_text("\n".join(L))
-    (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
-    return out / "summary.md"
 
 # %% ../nbs/31_sweep.ipynb #387bc5a7
 def check_overrides(overrides: dict) -> dict:
@@ -502,8 +378,10 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
               master_weights: str = "fp32", overrides: dict | None = None) -> Path:
     """Reference, then every format in the seeds' order (with retries); writes `out/summary.md`.
 
-    A run already in `out` is reused when `check_run` allows (same resolved config, complete files) unless `force`, so an
-    interrupted sweep continues where it stopped; otherwise the sweep prints why and trains it again. A format
+    A run already in `out` is reused when `check_run` allows (same resolved config, complete files) unless `force`, and an
+    interrupted run of the same config is resumed, so an interrupted sweep continues where it stopped; a finished or
+    interrupted run of another config is refused (`RunConflict`, before anything trains) unless `force`; anything else
+    (an incomplete folder) is trained again, saying why. A format
     grid-equivalent to an earlier one (same config otherwise) reuses that run. `overrides` are extra `TrainConfig`
     keys for every run (e.g. `optimizer`, `weight_update`, `rounding`). `master_weights="format"` keeps every 8-bit
     layer's weights on its grid (updates below half a grid step are lost): the regime in which bit-stall costs loss."""
@@ -511,34 +389,39 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
     overrides = check_overrides(dict(overrides or {}))
     formats = [get_format(f).name for f in (formats or SEED_ORDER)]
     data_dir = ensure_data(data_dir or None, out)
-    ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode, **overrides)
+    common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode,
+                  master_weights=master_weights, stop_on_nan=not interventions)
+    for fmt in ([] if force else formats):                  # refuse before anything trains
+        action, _, why = run_plan(out / run_name(fmt) / "run", format_config(fmt, out, **common, **overrides))
+        if action == "conflict": raise RunConflict(conflict_message(run_name(fmt), out / run_name(fmt) / "run", why))
+    ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode, force=force, **overrides)
     ref_run = load_run(ref)
     from altgrad.data import unigram_baseline
     uni = unigram_baseline(data_dir)
-    common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode,
-                  master_weights=master_weights, stop_on_nan=not interventions)
     note = settings_note(format_config(formats[0] if formats else "E5M2", out, **common, **overrides), master_weights,
                          interventions, overrides)
     names, notes, loaded, done, fmt_of, t0 = [], [], {}, {}, {}, time.time()
 
-    def one(fmt, rules=None, tag=""):
+    def one(fmt, layout=None, tag=""):
         name = run_name(fmt, tag); dest = out / name
-        cfg = format_config(fmt, out, rules=rules, tag=tag, **common, **overrides)
+        cfg = format_config(fmt, out, layer_formats=layout, tag=tag, **common, **overrides)
         key = grid_key(cfg)
         if key in done and done[key] != name:
             src = done[key]; info = mark_reused(dest, name, src, fmt, fmt_of[src])
             print(f"[altgrad-sweep] {info['note']}", flush=True)
         else:
-            run, why = (None, ["--force"]) if force else check_run(dest / "run", cfg)
-            if run is not None and not (dest / "report.md").exists():
+            action, run, why = ("train", None, ["--force"]) if force else run_plan(dest / "run", cfg)
+            if action == "conflict": raise RunConflict(conflict_message(name, dest / "run", why))
+            if action == "reuse" and not (dest / "report.md").exists():
                 print(f"[altgrad-sweep] {name}: the finished run in {dest / 'run'} has no write-up yet: writing it", flush=True)
-                run_notebook(fmt, out, rules=rules, tag=tag, overrides=overrides, **common)
-            if run is not None: print(f"[altgrad-sweep] {name}: reusing the finished run in {dest}", flush=True)
+                run_notebook(fmt, out, layer_formats=layout, tag=tag, overrides=overrides, **common)
+            if action == "reuse": print(f"[altgrad-sweep] {name}: reusing the finished run in {dest}", flush=True)
             else:
-                if dest.exists() and not force: print(f"[altgrad-sweep] {name}: not reusing {dest}: {'; '.join(why)}", flush=True)
+                if action == "resume": print(f"[altgrad-sweep] {name}: resuming the interrupted run in {dest / 'run'}", flush=True)
+                elif dest.exists() and not force: print(f"[altgrad-sweep] {name}: not reusing {dest}: {'; '.join(why)}", flush=True)
                 print(f"[altgrad-sweep] {name} ({time.time() - t0:.0f} s)", flush=True)
                 _clear(dest, (REUSED_FILE,))
-                run_notebook(fmt, out, rules=rules, tag=tag, overrides=overrides, force=force, **common)
+                run_notebook(fmt, out, layer_formats=layout, tag=tag, overrides=overrides, force=force, **common)
                 run, why = check_run(dest / "run", cfg)
                 if run is None: raise RuntimeError(f"{name}: the experiment notebook did not leave the requested run in {dest / 'run'}: "
                                                    f"{'; '.join(why)}")
@@ -550,28 +433,34 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
     for fmt in formats:
         s, run = one(fmt)
         if retry and s["verdict"] != "PASS":
-            try: tag, rules = retry_rules(fmt, run, run.config.get("n_layer"))
+            try: tag, layout = retry_layout(fmt, run, run.config.get("n_layer"))
             except RetryRefused as e:
                 msg = f"{fmt}: {s['verdict']}; {e}"
                 print(f"[altgrad-sweep] {msg}", flush=True); notes.append(msg)
             else:
-                print(f"[altgrad-sweep] {fmt}: {s['verdict']}; retrying as {run_name(fmt, tag)} with rules {rules}", flush=True)
-                one(fmt, rules, tag)
-        write_summary(out, names, ref, preset, steps, seed, note, uni, notes, loaded)
-    return write_summary(out, names, ref, preset, steps, seed, note, uni, notes, loaded)
+                print(f"[altgrad-sweep] {fmt}: {s['verdict']}; retrying as {run_name(fmt, tag)} with layer_formats {layout}", flush=True)
+                one(fmt, layout, tag)
+        write_summary(out, names, ref, resolve_preset(preset), steps, seed, note, uni, notes, loaded)
+    return write_summary(out, names, ref, resolve_preset(preset), steps, seed, note, uni, notes, loaded)
 
-UPDATE_RULES = {"nearest": dict(weight_update="nearest"), "stochastic": dict(weight_update="stochastic"),
-                "kahan": dict(weight_update="kahan"), "madam": dict(optimizer="madam", weight_update="nearest"),
-                "lion": dict(optimizer="lion", weight_update="nearest")}
+def conflict_message(name: str, run_dir, why: list[str]) -> str:
+    "The one line that refuses to replace the run in `run_dir` (another config: `why`)."
+    return (f"{name}: {run_dir} holds a run of another config ({'; '.join(why[:3])}{' ...' if len(why) > 3 else ''}): "
+            "refusing to replace it; pass --force to train it again in its place, or use another --out")
+
+GRID_RULES = ("nearest", "stochastic", "kahan", "madam", "lion")   # `--update-rules all`: registry names (`altgrad.regimes`)
 
 def update_rule_overrides(rules: str, overrides: dict) -> dict:
-    "`{rule: overrides}` for `--update-rules` ('all' or comma-separated `UPDATE_RULES` names) on top of `overrides`."
-    names = list(UPDATE_RULES) if rules.strip() == "all" else [r.strip() for r in rules.split(",") if r.strip()]
-    bad = [r for r in names if r not in UPDATE_RULES]
-    if bad or not names: raise ConfigError(f"unknown update rule(s) {', '.join(bad) or '(none)'}; valid: {', '.join(UPDATE_RULES)} or all")
-    clash = sorted(k for k in ("optimizer", "weight_update") if k in overrides)
+    """`{regime: overrides}` for `--update-rules` ('all': `GRID_RULES`, or comma-separated names of the weights-on-grid
+    regimes of `altgrad.regimes`) on top of `overrides` (each regime's keys but `master_weights`, which the sweep sets)."""
+    valid = [n for n, r in UPDATE_RULES.items() if r.master_weights == "format"]
+    names = list(GRID_RULES) if rules.strip() == "all" else [r.strip() for r in rules.split(",") if r.strip()]
+    bad = [r for r in names if r not in valid]
+    if bad or not names: raise ConfigError(f"unknown update rule(s) {', '.join(bad) or '(none)'}; valid: {', '.join(valid)} or all")
+    per = {n: {k: v for k, v in get_rule(n).overrides().items() if k != "master_weights"} for n in names}
+    clash = sorted({k for ov in per.values() for k in ov if k in overrides})
     if clash: raise ConfigError(f"--update-rules sets {' and '.join(clash)} itself: drop --{clash[0].replace('_', '-')}")
-    return {r: {**overrides, **UPDATE_RULES[r]} for r in names}
+    return {n: {**overrides, **ov} for n, ov in per.items()}
 
 def matrix_note(preset: str, steps: int, seed: int, overrides: dict, formats) -> str:
     "The settings paragraph of a rule matrix (see `altgrad.matrix`)."
@@ -593,13 +482,14 @@ def sweep_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default=",".join(SEED_ORDER)); p.add_argument("--no-retry", action="store_true")
     p.add_argument("--interventions", action="store_true", help="interventions on (runs then continue through NaN steps)")
     p.add_argument("--data-dir", default=""); p.add_argument("--wandb-mode", default="auto")
-    p.add_argument("--force", action="store_true", help="re-run formats whose finished runs are already in --out")
+    p.add_argument("--force", action="store_true", help="train again runs already in --out (finished, or of another config)")
     p.add_argument("--master-weights", default="fp32", choices=["fp32", "format"],
                    help="fp32 master weights (standard) or weights kept on the 8-bit grid after every step")
     p.add_argument("--optimizer", help="base optimizer of every run (TrainConfig.optimizer, e.g. adamw, madam, lion)")
     p.add_argument("--weight-update", help="how w+u lands on the grid with --master-weights format (e.g. nearest, stochastic, kahan)")
     p.add_argument("--update-rules", metavar="RULES", help="with --master-weights format: one sweep per update rule "
-                   f"({', '.join(UPDATE_RULES)}, comma-separated, or all) into DIR/<rule>, then the table DIR/summary.md")
+                   f"(weights-on-grid regimes of altgrad.regimes, comma-separated, or all = {','.join(GRID_RULES)}) into DIR/<rule>, "
+                   "then the table DIR/summary.md")
     p.add_argument("--rounding", help="rounding of the GEMM operands W, A, G (nearest, stochastic)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other TrainConfig override for every run (repeatable), e.g. --set lr=3e-4")
@@ -622,8 +512,9 @@ def sweep_cli(argv: list[str] | None = None) -> int:
         print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
     for rule, ov in per_rule.items():
         out = Path(a.out) / rule if rule else a.out
-        print(run_sweep(a.preset, out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir, a.wandb_mode, a.force,
-                        a.master_weights, ov))
+        try: print(run_sweep(a.preset, out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir, a.wandb_mode, a.force,
+                             a.master_weights, ov))
+        except RunConflict as e: print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
     if a.update_rules is not None:
         from altgrad.matrix import write_matrix
         print(write_matrix(a.out, note=matrix_note(a.preset, a.steps, a.seed, overrides, fmts)))

@@ -164,3 +164,27 @@ def test_concurrent_prepare_shares_one_folder(tmp_path):
     assert sorted(o.split()[-1] for o, _, _ in res) == ["False", "True"]      # exactly one of them tokenized
     from altgrad.data import load_meta
     assert load_meta(out)["max_docs"] == 400
+
+
+def test_main_job_refuses_to_replace_a_writeup(data, tmp_path):
+    """`papermill nbs/run_format.ipynb -p fmt E7M0 -p preset smoke` with no `steps`: the preset's length, not a notebook
+    default. A committed write-up of another config (here 500 steps) in out_dir is refused in one line before anything
+    trains, naming `-p overwrite True` and `-p out_dir`, and the tree stays byte-identical."""
+    import papermill as pm
+    from altgrad.config import save_config
+    from altgrad.sweep import format_config
+    out = tmp_path / "outputs"
+    cfg = format_config("E7M0", out, preset="smoke", steps=500, data_dir=str(data), wandb_mode="disabled")
+    run = Path(cfg.out_dir); run.mkdir(parents=True); save_config(cfg, run / "config.yaml")
+    (run / "summary.json").write_text(json.dumps(dict(final_step=500, max_steps=500, stopped_reason="max_steps")))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 5.0}) + "\n" for s in range(1, 501)))
+    (out / "E7M0" / "report.md").write_text("# committed write-up\n")
+    snap = lambda: {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    before = snap()
+    with pytest.raises(pm.PapermillExecutionError) as e:
+        pm.execute_notebook(str(ROOT / "nbs" / "run_format.ipynb"), str(tmp_path / "run.ipynb"), cwd=str(ROOT), kernel_name="python3",
+                            parameters=dict(fmt="E7M0", preset="smoke", out_dir=str(out), data_dir=str(data), wandb_mode="disabled"),
+                            progress_bar=False)
+    msg = e.value.evalue
+    assert "max_steps: 500 -> 20" in msg and "-p overwrite True" in msg and "-p out_dir" in msg and "\n" not in msg, msg
+    assert snap() == before
