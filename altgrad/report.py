@@ -773,10 +773,17 @@ def layout_text(layer_formats) -> str:
     if not layer_formats: return "uniform"
     return "; ".join(f"{p}→{f or 'high precision'}" for p, f in layer_formats)
 
-def _table_row(r: dict) -> str:
+def _writeups_text(linked: dict) -> str:
+    "Where the sweep's write-ups are: every cell's, some (linked in the table), or none (runs only)."
+    if all(linked.values()): return "Each format's write-up is in `<name>/report.md`."
+    if any(linked.values()): return "Write-ups (`<name>/report.md`) are linked in the table; the other cells keep their run (`<name>/run/`) only."
+    return "The cells keep their runs (`<name>/run/`) only: write-ups are kept for the main job's formats (`outputs/<format>/`)."
+
+def _table_row(r: dict, linked: bool = True) -> str:
+    "One table row; `linked`: the run's folder holds a write-up (`report.md`) to link to."
     if r.get("verdict") == "NOT RUN": return f"| {r['name']} |" + " |" * 12 + " NOT RUN |"
     src = r.get("reused_from")
-    link = f"[{r['name']}]({src or r['name']}/report.md)" + (f" (= {src} run)" if src else "")
+    link = (f"[{r['name']}]({src or r['name']}/report.md)" if linked else r["name"]) + (f" (= {src} run)" if src else "")
     q, n = r.get("quantized_layers"), r.get("linear_layers")
     layers = "—" if q is None else f"{q}/{n}" if n is not None else f"{q}"
     return (f"| {link} | {r['fmt']} | {layout_text(r['layer_formats'])} | {layers} | {fmt_num(r.get('final_val_loss'))} | "
@@ -799,6 +806,7 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
     runs = {n: runs[n] for n in names}
     ref = load_run(ref_dir) if ref_dir else None
     rows = summary_rows(runs, ref, out, unigram)
+    linked = {r["name"]: (out / (r.get("reused_from") or r["name"]) / "report.md").exists() for r in rows}
     _save_fig(plot_sweep(runs, ref), out / "summary.png")
     if ref is not None and ref.summary.get("device"): dev = ref.summary["device"]
     else:
@@ -807,7 +815,7 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
     L = ["# Sweep summary", "",
          f"Preset `{preset}`, {steps} steps, seed {seed}, device `{dev}`. Reference: "
          f"final validation loss {fmt_num(ref.last('val/loss') if ref else None)} "
-         f"({'FP32' if dev == 'cpu' else 'BF16 autocast'}). Each format's write-up is in `<name>/report.md`.", ""]
+         f"({'FP32' if dev == 'cpu' else 'BF16 autocast'}). {_writeups_text(linked)}", ""]
     if ref is not None:
         _save_fig(plot_reference(ref, unigram), out / "reference.png")
         tps = ref.summary.get("tokens_per_sec")
@@ -817,7 +825,7 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
               "![reference](reference.png)", ""]
     if note: L += [note, ""]
     L += [TABLE_HEAD, "|" + "---|" * TABLE_HEAD.count(" | ") + "---|"]
-    L += [_table_row(r) for r in rows]
+    L += [_table_row(r, linked[r["name"]]) for r in rows]
     below = [r["reuse_note"] for r in rows if r.get("reuse_note")] + list(notes)
     if below: L += [""] + [f"- {x}" for x in below]
     L += ["", "8-bit layers: linear layers simulated in 8-bit / all linear layers (the tied embedding/LM head excluded).", "",
@@ -923,13 +931,15 @@ def report_cli(argv: list[str] | None = None) -> int:
         runs = [w / "run" for w in writeups] + [r for s in find_sweeps(root) for r in sorted((s / "_reference").glob("*"))]
         for r in runs:
             if (r / METRICS_JSONL).exists(): print(f"[altgrad-report] compacted {compact_metrics(r)}")
-    skipped = 0
+    skipped, run_only = 0, [w for w in writeups if not (w / "report.md").exists()]
     for w in writeups:
+        if w in run_only and w != root: continue                  # a sweep cell kept as its run only: nothing to render
         try: print(f"[altgrad-report] {regenerate_report(w, unigram)}")
         except FileNotFoundError as e:
             skipped += 1
             print(f"[altgrad-report] skipped {w}: {e} (a run committed before compact metrics existed: re-run it, or "
                   "`altgrad-report --compact` where its metrics.jsonl is still on disk)", file=sys.stderr)
+    if run_only: print(f"[altgrad-report] {len(run_only)} sweep cell(s) hold their run only (no report.md): no write-up to regenerate")
     if not a.no_summary:
         for s in find_sweeps(root):
             path, what = regenerate_summary(s, unigram)
