@@ -5,8 +5,10 @@
 # %% ../nbs/04_grid.ipynb #ffb49889
 from __future__ import annotations
 import math
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Callable
+import numpy as np
 import torch
 from .formats import FP8Format, get_format, quantize
 from .scaling import SCALE_MIN, SCALE_MAX
@@ -14,7 +16,7 @@ from .scaling import SCALE_MIN, SCALE_MAX
 # %% auto #0
 __all__ = ['MASTER_WEIGHTS', 'RESIDUAL_DTYPES', 'RESIDUAL_BYTES', 'LANDINGS', 'STAT_FIELDS', 'R_EDGES', 'grid_magnitude',
            'grid_steps', 'grid_ulp', 'Landing', 'register_landing', 'get_landing', 'land', 'store_residual',
-           'regrid_scale', 'update_stats', 'stats_dict', 'ratio_histogram']
+           'regrid_scale', 'lower_median', 'update_stats', 'stats_dict', 'ratio_histogram']
 
 # %% ../nbs/04_grid.ipynb #8c7f11d5
 def _scale_t(scale, like: torch.Tensor) -> torch.Tensor:
@@ -26,21 +28,27 @@ def grid_magnitude(w: torch.Tensor, fmt, scale=1.0) -> torch.Tensor:
     s = _scale_t(scale, w)
     return quantize(w.detach().float() * s, get_format(fmt)).abs()
 
+def _finer_below(a: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    "Is the grid magnitude `a` a power of two above the lowest binade (where the grid just below is twice as fine)?"
+    bits = a.view(torch.int32)                                  # a >= 0: exponent > emin also means a > 0
+    return ((bits & 0x7FFFFF) == 0) & (bits > (((fmt.emin + 127) << 23) | 0x7FFFFF))
+
 def grid_steps(w: torch.Tensor, fmt, scale=1.0) -> tuple[torch.Tensor, torch.Tensor]:
     "`(down, up)`: distance (real units) from the grid value nearest `w` to its lower and upper magnitude neighbour."
     fmt = get_format(fmt); s = _scale_t(scale, w)
     a = grid_magnitude(w, fmt, s)
     up = fmt.ulp(a)                                             # quantum of a's binade (2^(e-M), e >= emin)
-    bits = a.view(torch.int32)
-    pow2 = ((bits & 0x7FFFFF) == 0) & (((bits >> 23) - 127) > fmt.emin) & (a > 0)
-    down = torch.where(pow2, up * 0.5, up)                     # below a power of two the binade is finer
+    down = torch.where(_finer_below(a, fmt), up * 0.5, up)     # below a power of two the binade is finer
     return down / s, up / s
 
 def grid_ulp(w: torch.Tensor, u: torch.Tensor, fmt, scale=1.0) -> torch.Tensor:
     "Grid step (real units) at `w` in the direction of `u`: up when `u` grows |w| (or w == 0), down otherwise."
-    down, up = grid_steps(w, fmt, scale)
-    grow = (torch.sign(u) == torch.sign(w)) | (w == 0)
-    return torch.where(grow, up, down)
+    fmt = get_format(fmt); s = _scale_t(scale, w)
+    a = grid_magnitude(w, fmt, s)
+    up = fmt.ulp(a)
+    down = _finer_below(a, fmt) & (torch.sign(u) != torch.sign(w)) & (w != 0)   # `grid_steps`' down, where u shrinks |w|
+    return torch.where(down, up * 0.5, up) / s
+
 
 # %% ../nbs/04_grid.ipynb #f27bed9f
 MASTER_WEIGHTS = ("fp32", "format")        # where the weights live: FP32 master copy, or on the 8-bit grid
@@ -96,47 +104,60 @@ def store_residual(c: torch.Tensor, dtype: str, fmt) -> torch.Tensor:
     return quantize(c, fmt, s)
 
 # %% ../nbs/04_grid.ipynb #b5efb9e5
+@lru_cache(maxsize=None)
+def _regrid_bounds(fmt: FP8Format, margin: int, stochastic: bool) -> tuple[float, float]:
+    "`(T, top)` of `regrid_scale`: the target T = max/2^margin and the largest amax*scale that keeps the scale."
+    T = fmt.max_value / 2.0 ** margin
+    return T, (T if stochastic else T + float(fmt.ulp(torch.tensor(T))) / 2)
+
 def regrid_scale(amax: torch.Tensor, scale: torch.Tensor, fmt, margin: int = 0, rule: str = "nearest") -> torch.Tensor:
     "Scale for weights of `amax` now on `scale`: kept while T/4 < amax*scale <= T + ulp(T)/2, else moved by 2^k into (T/2, T]."
     fmt = get_format(fmt)
     a = torch.as_tensor(amax).detach().float()
     s = torch.as_tensor(scale, device=a.device).detach().float()
-    T = fmt.max_value / 2.0 ** margin
+    T, top = _regrid_bounds(fmt, margin, get_landing(rule).stochastic)
     p = a * s
     ok = torch.isfinite(p) & (p > 0)
     k = torch.floor(torch.log2(torch.where(ok, T / p, torch.ones_like(p))))
     new = torch.ldexp(s, k.to(torch.int32))
     new = torch.where(a * new > T, new * 0.5, new)             # guard the log2 rounding at both ends
     new = torch.where(a * new * 2 <= T, new * 2, new)
-    top = T if get_landing(rule).stochastic else T + float(fmt.ulp(torch.tensor(T))) / 2
     keep = ~ok | ((p <= top) & (p * 4 > T))
     return torch.where(keep, s, new.clamp(SCALE_MIN, SCALE_MAX))
 
 # %% ../nbs/04_grid.ipynb #58a94c4c
+def lower_median(x: torch.Tensor) -> torch.Tensor:
+    "`x.median()` of a non-empty 1-D tensor (the lower median; NaN if any is NaN), by selection (O(n)) on the CPU."
+    if x.device.type != "cpu": return x.median()
+    v = x.detach().numpy(); k = (v.size - 1) // 2
+    part = np.partition(v, k)                                   # part[k] is the k-th smallest; NaNs sort last
+    return torch.tensor(math.nan if np.isnan(part[k:]).any() else part[k], dtype=x.dtype)
+
 STAT_FIELDS = ("moved", "stalled", "pred_stalled", "dw_dot_u", "u_dot_u", "r_median", "flip_back", "flip_base",
                "zero_sub", "numel", "resid_ulp_sq")
 
 def update_stats(w_before: torch.Tensor, u: torch.Tensor, w_after: torch.Tensor, fmt, scale=1.0,
                  w_prev2: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-    "float64 sums over one tensor, one entry per `STAT_FIELDS` name (no device sync)."
+    "float64 sums over one tensor, one entry per `STAT_FIELDS` name (on the CPU; the median of r is the one sync on GPUs)."
     fmt = get_format(fmt)
     wb, wa, u = w_before.detach().float(), w_after.detach().float(), u.detach().float()
+    s = _scale_t(scale, wb)
     moved = u != 0
-    ulp = grid_ulp(wb, u, fmt, scale)
-    r = u.abs() / ulp
+    r = u.abs() / grid_ulp(wb, u, fmt, s)
     dw = wa - wb
     z = torch.zeros((), dtype=torch.float64, device=u.device)
-    rm = r[moved]
-    r_med = rm.median().double() if rm.numel() else z
+    rm = torch.masked_select(r, moved)
+    r_med = lower_median(rm).double() if rm.numel() else z
     if w_prev2 is not None:
         base = wb != w_prev2
         flip, nbase = (base & (wa == w_prev2)).sum(), base.sum()
     else: flip, nbase = z, z
-    a = grid_magnitude(wa, fmt, scale)
+    a = grid_magnitude(wa, fmt, s)
     small = (a == 0) if fmt.exp_bits == 0 else (a < fmt.min_normal)
-    res = (residual.float() / grid_ulp(wa, residual.float(), fmt, scale)).square().sum() if residual is not None else z
-    vals = [moved.sum(), (moved & (dw == 0)).sum(), (moved & (r < 0.5)).sum(), (dw * u).sum(dtype=torch.float64),
-            (u * u).sum(dtype=torch.float64), r_med, flip, nbase, small.sum(), torch.tensor(u.numel(), device=u.device), res]
+    res = (residual.float() / grid_ulp(wa, residual.float(), fmt, s)).square().sum() if residual is not None else z
+    vals = [torch.tensor(rm.numel(), device=u.device), (moved & (dw == 0)).sum(), (moved & (r < 0.5)).sum(),
+            (dw * u).sum(dtype=torch.float64), (u * u).sum(dtype=torch.float64), r_med, flip, nbase, small.sum(),
+            torch.tensor(u.numel(), device=u.device), res]
     return torch.stack([torch.as_tensor(v, device=u.device).double() for v in vals])
 
 def stats_dict(v) -> dict[str, float]:

@@ -473,7 +473,8 @@ def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict 
             aim = w.detach().float() if res is None else w.detach().float() + res      # the value that lands
             s_new = regrid_scale(amax_of(aim, q.granularity, q.block_size), s_old, q.fmt, q.margin, m.weight_update)
             gen = sr_generator(m.seed, m.layer_id, int(m.updates)) if landing.stochastic else None
-            w_new, c = land(before, u, q.qfmt, expand_scale(s_new, w, q.granularity, q.block_size), m.weight_update, res, gen)
+            sn = expand_scale(s_new, w, q.granularity, q.block_size)
+            w_new, c = land(before, u, q.qfmt, sn, m.weight_update, res, gen)
             w.copy_(w_new.to(w.dtype))
             if c is not None: m.residual = store_residual(c, m.residual_dtype, q.fmt)
             m.grid_scale = s_new
@@ -488,7 +489,7 @@ def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict 
                 d = -cd * before.float()
                 rule = "nearest" if landing.residual else m.weight_update      # the decay alone carries no residual
                 gd = sr_generator(m.seed, m.layer_id, int(m.updates), 1) if LANDINGS[rule].stochastic else None
-                dl = land(before, d, q.qfmt, expand_scale(s_new, w, q.granularity, q.block_size), rule, None, gd)[0] - before.float()
+                dl = land(before, d, q.qfmt, sn, rule, None, gd)[0] - before.float()
                 m._decay = torch.stack([(dl * d).sum(dtype=torch.float64), (d * d).sum(dtype=torch.float64)])
             m._last_update = (before, us, se)
             m.w_prev = before
