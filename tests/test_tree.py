@@ -1,0 +1,33 @@
+"The tracked tree stays lean (issue 17): a budget on its size, and no checkpoint, W&B folder, raw log or prepared data."
+import re, subprocess
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET = 40 * 2**20          # bytes: the brief's goal; the GPU machine's copy limit is 64 MiB
+FORBIDDEN = [(r"(^|/)checkpoints?(\.[^/]*)?/|\.pt$", "a checkpoint"), (r"(^|/)wandb/", "a W&B folder"),
+             (r"(^|/)metrics(\.[^/]*)?\.jsonl$", "raw per-step metrics (commit the compact metrics.parquet)"),
+             (r"(^|/)(data|data_prepared)/|\.bin$|(^|/)_data/", "prepared data (altgrad-prepare makes it again)")]
+
+def tracked() -> list[Path]:
+    try: out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError): pytest.skip("not a git checkout")
+    return [Path(p) for p in out.decode().split("\0") if p]
+
+def test_tracked_tree_within_budget():
+    files = tracked()
+    sizes = {p: (ROOT / p).stat().st_size for p in files if (ROOT / p).is_file()}
+    total = sum(sizes.values())
+    big = ", ".join(f"{p} ({s/2**20:.1f} MiB)" for p, s in sorted(sizes.items(), key=lambda kv: -kv[1])[:5])
+    assert total <= BUDGET, f"tracked files total {total/2**20:.1f} MiB > {BUDGET/2**20:.0f} MiB; largest: {big}"
+
+def test_no_forbidden_paths():
+    bad = [(str(p), why) for p in tracked() for rx, why in FORBIDDEN if re.search(rx, p.as_posix())]
+    assert not bad, f"tracked files that must not be committed: {bad[:10]}"
+
+def test_forbidden_patterns_catch_examples():
+    "The patterns are live: each example below would be refused."
+    examples = ["outputs/E7M0/run/checkpoints/step_100.pt", "outputs/x/run/wandb/run-1/files/a", "outputs/x/run/metrics.jsonl",
+                "data/eurlex/train.bin", "outputs/study/_data/eurlex/val.bin"]
+    for e in examples: assert any(re.search(rx, e) for rx, _ in FORBIDDEN), e
+    assert not any(re.search(rx, "outputs/E7M0/run/metrics.parquet") for rx, _ in FORBIDDEN)
