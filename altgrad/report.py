@@ -18,12 +18,12 @@ __all__ = ['SMOOTH_WINDOW', 'HEATMAP_PERCENTILES', 'AVG_STEPS', 'FIG_DPI', 'LAYE
            'MECHANISM_LABELS', 'REPORT_INPUTS', 'TABLE_HEAD', 'SWEEP_INPUTS', 'short_layer', 'smooth', 'legend',
            'plot_loss', 'quantized_layer_names', 'quantized_cos_series', 'plot_cosine', 'layer_matrix', 'colour_range',
            'plot_heatmap', 'hotspots', 'pick_layers', 'plot_histograms', 'first_nan_step', 'nan_origin',
-           'failure_analysis', 'run_finished', 'mean_quantized_cos', 'divergence_steps', 'verdict', 'train_loss_avg',
-           'progress_lost', 'layer_counts', 'run_summary', 'fmt_num', 'precision_note', 'layer_group', 'has_mechanism',
-           'layer_groups', 'mechanism_table', 'regime_of', 'mechanism_rule', 'plot_mechanism', 'ratio_histograms',
-           'share_below_half', 'plot_ratio_histograms', 'mechanism_section', 'write_report', 'model_layers',
-           'count_8bit_layers', 'summary_row', 'summary_rows', 'plot_sweep', 'plot_reference', 'layout_text',
-           'write_summary', 'report_inputs', 'regenerate_report', 'summary_inputs', 'regenerate_summary', 'report_cli']
+           'failure_analysis', 'mean_quantized_cos', 'divergence_steps', 'verdict', 'train_loss_avg', 'progress_lost',
+           'layer_counts', 'run_summary', 'fmt_num', 'precision_note', 'layer_group', 'has_mechanism', 'layer_groups',
+           'mechanism_table', 'regime_of', 'mechanism_rule', 'plot_mechanism', 'ratio_histograms', 'share_below_half',
+           'plot_ratio_histograms', 'mechanism_section', 'write_report', 'model_layers', 'count_8bit_layers',
+           'summary_row', 'summary_rows', 'plot_sweep', 'plot_reference', 'layout_text', 'write_summary',
+           'report_inputs', 'regenerate_report', 'summary_inputs', 'regenerate_summary', 'report_cli']
 
 # %% ../nbs/30_report.ipynb #855c193a
 SMOOTH_WINDOW = 25   # steps of the running mean drawn over the training loss
@@ -224,13 +224,6 @@ def _anomaly_checkpoint(run: Run) -> str | None:
         rel = os.path.relpath(a, rd)
         if not rel.startswith(".."): return str(run.dir / rel)
     return a
-
-def run_finished(run: Run) -> tuple[bool, int, int | None, str | None]:
-    "(finished, final step, max steps, stopped_reason): finished = stopped by reaching `max_steps` at `max_steps`."
-    final = run.summary.get("final_step", run.metrics[-1]["step"] if run.metrics else 0)
-    mx = run.summary.get("max_steps", run.config.get("max_steps"))
-    why = run.summary.get("stopped_reason")
-    return (why == "max_steps" and mx is not None and final == mx), int(final), mx, why
 
 def mean_quantized_cos(run: Run) -> tuple[float | None, str | None]:
     "(mean over steps of the gradient cosine over the 8-bit layers' weights, 'logged' | 'derived' | None)."
@@ -807,6 +800,7 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
     ref = load_run(ref_dir) if ref_dir else None
     rows = summary_rows(runs, ref, out, unigram)
     linked = {r["name"]: (out / (r.get("reused_from") or r["name"]) / "report.md").exists() for r in rows}
+    ran = {r["name"]: linked[r["name"]] for r in rows if r.get("verdict") != "NOT RUN"}   # a run not run has nothing to link
     _save_fig(plot_sweep(runs, ref), out / "summary.png")
     if ref is not None and ref.summary.get("device"): dev = ref.summary["device"]
     else:
@@ -815,7 +809,7 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
     L = ["# Sweep summary", "",
          f"Preset `{preset}`, {steps} steps, seed {seed}, device `{dev}`. Reference: "
          f"final validation loss {fmt_num(ref.last('val/loss') if ref else None)} "
-         f"({'FP32' if dev == 'cpu' else 'BF16 autocast'}). {_writeups_text(linked)}", ""]
+         f"({'FP32' if dev == 'cpu' else 'BF16 autocast'}). {_writeups_text(ran)}", ""]
     if ref is not None:
         _save_fig(plot_reference(ref, unigram), out / "reference.png")
         tps = ref.summary.get("tokens_per_sec")
