@@ -86,15 +86,9 @@ def ensure_data(data_dir: str | None, out) -> str:
     return str(d)
 
 def train(cfg, overwrite: bool = False) -> dict:
-    """Run the trainer on `cfg` (`overwrite`: an earlier finished run in its folder is moved aside); returns its summary.
-
-    The progress bar is text (`tqdm.std`, on stderr) even inside a Jupyter kernel, where `tqdm.auto` would draw a widget
-    that `papermill --log-output` cannot stream."""
-    import altgrad.trainer as tr
-    from tqdm.std import tqdm as text_bar
-    widget_bar, tr.tqdm = tr.tqdm, text_bar
-    try: return tr.Trainer(cfg, overwrite=overwrite).fit()
-    finally: tr.tqdm = widget_bar
+    "Run the trainer on `cfg` (`overwrite`: an earlier finished run in its folder is moved aside); returns its summary."
+    from altgrad.trainer import Trainer
+    return Trainer(cfg, overwrite=overwrite).fit()
 
 # %% ../nbs/31_sweep.ipynb #1bc6edce
 def saved_config(run_dir) -> TrainConfig:

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 import torch.nn as nn
-from tqdm.auto import tqdm
+from tqdm.std import tqdm   # a text bar, also in a Jupyter kernel (papermill --log-output streams it)
 from .config import (TrainConfig, ConfigError, load_config, parse_overrides, save_config, resolve_device,
                             autocast_dtype, PRESETS, config_keys_help, RENAMED_KEYS)
-from .data import TokenData, batch_starts
+from .data import TokenData, batch_starts, data_for_vocab, vocab_info
 from .model import GPT, GPTConfig
 from .tracking import Tracker, to_python, notice
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, atomic_write_text
@@ -54,14 +54,15 @@ def optional_module(name: str):
         raise
 
 def load_data(cfg: TrainConfig) -> TokenData:
-    "The prepared token data of `cfg.data_dir` (a clear error, naming the prepare command, if there is none)."
+    "The prepared data a model of `cfg.vocab_size` classes reads from `cfg.data_dir` (`data.data_for_vocab`; clear errors)."
     d = Path(cfg.data_dir)
     if not (d / "meta.json").is_file():
         raise FileNotFoundError(
             f"data_dir={cfg.data_dir!r} holds no prepared data (no {d / 'meta.json'}). Prepare it once with "
             f"`altgrad-prepare --source ../shared/data/eurlex --out {cfg.data_dir}` (from the repo root) "
             f"or pass data_dir=DIR of an already prepared folder")
-    td = TokenData(d)
+    try: td = TokenData(data_for_vocab(d, cfg.vocab_size))     # vocab_size < GPT-2's: its top-vocab_size folder, made once
+    except ValueError as e: raise ConfigError(str(e)) from None
     for s in ("train", "val"):
         if s not in td.splits: raise ValueError(f"data_dir={cfg.data_dir!r} has no {s!r} split (it has {td.splits}); re-prepare it")
         if len(td[s]) <= cfg.block_size: raise ValueError(f"the {s} split of {cfg.data_dir!r} has {len(td[s])} tokens, fewer than block_size+1={cfg.block_size + 1}")
@@ -560,6 +561,8 @@ def _summary(self: Trainer, reason, start_step: int, seconds: float, perf: list)
         world_size=self.world, global_batch=self.global_batch,
         fmt=cfg.fmt, num_params=self.model.num_params() if hasattr(self.model, "num_params") else None,
         **layer_census(self.model, self.q),
+        vocab=vocab_info(self.data.dir),                    # the folder actually read: name, size, coverage
+        compute_split={k: v for k, v in self.model.compute_split().items() if k != "layers_8bit"},
         run_dir=str(self.run_dir), run_id=self.run_id,
         resumed_from=str(self.resumed_from) if self.resumed_from else None)
 
