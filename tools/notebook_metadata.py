@@ -15,7 +15,7 @@ def stamp(path: str, spec) -> bool:
     text = open(path).read(); nb = json.loads(text)
     nb["metadata"]["kernelspec"] = dict(display_name=spec.display_name, language=spec.language, name="python3")
     nb["metadata"]["language_info"] = dict(IPythonKernel.language_info)
-    new = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    new = json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n"   # nbdev_clean's layout
     if new != text: open(path, "w").write(new)
     return new != text
 
