@@ -13,7 +13,9 @@ from .optim import default_lr_scale
 from .regimes import get_rule
 from .report import fmt_num, precision_note, progress_lost
 from .runs import load_run, run_finished, final_loss
-from .stats import finite, mean_of, mean_ci, paired_benefit, recovered_fraction, rank_by_benefit, ranking_text, overlaps, spearman
+from .stats import (finite, mean_of, mean_ci, paired_benefit, recovered_fraction, rank_by_benefit, ranking_text, overlaps, spearman,
+                           paired_test, holm, min_detectable_effect)
+from .law import law_text
 from .study import (CONTROL, UPPER, REF_PRECISIONS, STUDY_RULES, SEED_EXPECTATIONS, INPUTS_FILE, StudyPlan, RunSpec,
                            lr_specs, seed_specs, cell_specs, reference_spec, format_spec, run_dir, trivial_choice, make_plan,
                            mult_label, lr_scale_for, resolve_choice, model_inputs, json_safe, join_names, regenerate_command)
@@ -27,7 +29,11 @@ __all__ = ['MECH_KEYS', 'MECH_ALL', 'EXPECTATION_CHECKS', 'grid_rules', 'same_la
            'answer_paragraph', 'expect_fails', 'expect_best', 'expectation_notes', 'plot_benefit', 'plot_lr_sweep',
            'save_figure', 'results_section', 'same_landing_section', 'ranking_section', 'mechanism_section',
            'rises_at_low_rates', 'figures_section', 'references_section', 'lr_sweep_section', 'landing_note',
-           'protocol_section', 'threats_section', 'regenerate_section', 'write_answer', 'report_study']
+           'protocol_section', 'threats_section', 'regenerate_section', 'write_answer', 'report_study', 'format_pairs',
+           'law_points', 'decisive_expectations', 'decisive_cells', 'decisive_mde', 'decisive_analyze',
+           'incomplete_text', 'law_clause', 'decisive_paragraph', 'pairs_section', 'decisive_results_section',
+           'law_section', 'bracket_section', 'plot_law', 'decisive_protocol_section', 'write_decisive_answer',
+           'report_decisive', 'fake_decisive_study']
 
 # %% ../nbs/35_answer.ipynb #35a00005
 MECH_KEYS = {"pred_stall": "pred_stall/total", "update_ratio": "update_ratio/total", "stall": "stall/total",
@@ -672,6 +678,7 @@ def report_study(out, log=print, runs: dict | None = None) -> Path:
     out = Path(out); cache, loaded = dict(runs or {}), {}
     try: inputs = json.loads((out / INPUTS_FILE).read_text())
     except (OSError, ValueError) as e: raise FileNotFoundError(f"{out / INPUTS_FILE} is missing or unreadable ({e}): is {out} a study folder?") from None
+    if "protocol" in inputs: return report_decisive(out, inputs, log, runs)     # issue 18's protocol; older folders: below
     plan = StudyPlan.from_dict(inputs["plan"])
     inputs = {**model_inputs(plan), **inputs}          # numbers added to the inputs since the folder was written
     def load(specs):
@@ -683,3 +690,358 @@ def report_study(out, log=print, runs: dict | None = None) -> Path:
     choice = resolve_choice(plan, loaded, None) or dict(mults=inputs["lr_choice"]["mults"], table=inputs["lr_choice"].get("table", {}))
     load(seed_specs(plan, choice["mults"]))
     return write_answer(out, analyze(plan, loaded, choice, inputs.get("unigram")), inputs, loaded)
+
+# %% ../nbs/35_answer.ipynb #35h893ad
+def _losses(recs: dict, specs) -> dict:
+    "`{seed: final loss or None}` of `specs` (missing runs left out)."
+    return {s.seed: recs[s.name].get("final_val_loss") for s in specs if not recs[s.name]["missing"]}
+
+def _decisive_specs(plan: StudyPlan, proto, grids: dict, choice: dict | None) -> tuple[list, list]:
+    "(tuning specs of the grids, held-out specs of the choice or [])."
+    from altgrad.study import decisive_lr_specs, decisive_seed_specs
+    return decisive_lr_specs(plan, proto, grids), (decisive_seed_specs(plan, proto, choice["mults"]) if choice else [])
+
+def format_pairs(plan: StudyPlan, L: dict, conf: float = 0.95) -> dict:
+    "Per regime, every pair of formats paired by seed: d = L_a − L_b (> 0: b lower), t-test p and Holm's p within the regime."
+    out = {}
+    for r in plan.rules:
+        fam = {f"{a} vs {b}": dict(paired_test(L[a][r], L[b][r], conf), a=a, b=b)
+               for i, a in enumerate(plan.formats) for b in plan.formats[i + 1:]}
+        adj = holm({k: v["p"] for k, v in fam.items()})
+        out[r] = {k: dict(v, p_holm=adj[k]) for k, v in fam.items()}
+    return out
+
+def law_points(plan: StudyPlan, proto, recs: dict, grids: dict) -> dict:
+    "The law's points from the tuning runs: per quantity (`fp32`: the gap, each grid rule: its benefit), one point per format × multiplier."
+    from altgrad.study import format_spec
+    pts = {r: [] for r in plan.rules if r != CONTROL}
+    for f in plan.formats:
+        for m in grids[CONTROL]["mults"]:
+            near = [format_spec(f, CONTROL, s, m, "lr") for s in proto.tuning_seeds]
+            x = mean_of((recs[s.name].get("mechanism") or {}).get("pred_stall") for s in near if s.name in recs)
+            r_of = mean_of((recs[s.name].get("mechanism") or {}).get("update_ratio") for s in near if s.name in recs)
+            for r in pts:
+                if m not in grids[r]["mults"]: continue
+                other = [format_spec(f, r, s, m, "lr") for s in proto.tuning_seeds]
+                b = paired_benefit(_losses(recs, near), _losses(recs, other))
+                pts[r].append(dict(fmt=f, mult=m, x=x, r=r_of, y=b["mean"], n=b["n"]))
+    return pts
+
+def decisive_expectations(st: dict, expectations) -> list[str]:
+    "The seeds' expectations checked with paired tests on the held-out seeds."
+    out = []
+    for e in expectations:
+        f, claim = e["fmt"], e["claim"]
+        if f not in st["plan"]["formats"]: out.append(f"{f} was not in this study, so the expectation about it was not tested."); continue
+        if claim == "fails": out.append(_expect_fails_paired(st, f))
+        elif claim == "best": out.append(_expect_best_paired(st, f))
+        else: raise ValueError(f"[altgrad] unknown expectation claim {claim!r}; valid claims: fails, best")
+    return out
+
+def _expect_fails_paired(st: dict, f: str) -> str:
+    "E.g. E7M0 fails outright: under FP32 master weights and nearest every held-out run failed or ended resolved above the unigram loss."
+    parts, fails = [], []
+    for r in (UPPER, CONTROL):
+        c = st["cells"][f][r]; ex = c["above_unigram"]
+        nf = len(c["failed"]); ok = nf == c["n_seeds"] or (ex.get("lo") is not None and ex["lo"] > 0)
+        fails.append(ok)
+        parts.append(f"{rule_label(r)}: {nf} of {c['n_seeds']} runs failed, final loss − unigram {pm(ex, '.3f')} ({ci_text(ex)})")
+    head = (f"As the seeds expected, {f} fails outright" if all(fails) else f"{f} fails outright under one regime only" if any(fails)
+            else f"Contrary to the seeds' expectation, {f} does not fail outright")
+    return head + ": " + "; ".join(parts) + "."
+
+def _expect_best_paired(st: dict, f: str) -> str:
+    "E.g. E5M2 is best: paired by seed against every other format (Holm within the regime), under FP32 master weights and nearest."
+    parts, verdicts = [], []
+    for r in (UPPER, CONTROL):
+        rows = [(k, v) for k, v in st["format_pairs"][r].items() if f in (v["a"], v["b"])]
+        worse = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < 0.05
+                 and ((v["mean"] > 0) == (v["b"] == f))]
+        better = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < 0.05
+                  and ((v["mean"] > 0) != (v["b"] == f))]
+        n = len(rows)
+        verdicts.append("contra" if better else "agree" if len(worse) == n else "open")
+        parts.append(f"{rule_label(r)}: resolved better than {len(worse)} of {n} formats"
+                     + (f", resolved worse than {', '.join(better)}" if better else "") + " (paired, Holm-adjusted p < 0.05)")
+    head = (f"The data contradicts the seeds' expectation that {f} is best" if "contra" in verdicts else
+            f"The data confirms the seeds' expectation that {f} is best" if set(verdicts) == {"agree"} else
+            f"The data neither confirms nor contradicts the seeds' expectation that {f} is best")
+    return head + ": " + "; ".join(parts) + "."
+
+# %% ../nbs/35_answer.ipynb #35h8ff1c
+def decisive_cells(plan: StudyPlan, proto, recs: dict, held: list, unigram, conf: float = 0.95) -> tuple[dict, dict]:
+    "(`{fmt: {rule: cell}}` over the held-out specs `held`, `{fmt: {rule: {seed: loss}}}`)."
+    L = {f: {r: _losses(recs, [s for s in held if (s.fmt, s.rule) == (f, r)]) for r in plan.rules} for f in plan.formats}
+    cells = {}
+    for f in plan.formats:
+        cells[f] = {}
+        for r in plan.rules:
+            sp = [s for s in held if (s.fmt, s.rule) == (f, r)]
+            c = dict(fmt=f, rule=r, lr_mult=sp[0].lr_mult if sp else None, runs=[f"runs/{s.name}" for s in sp], losses=L[f][r],
+                     loss=mean_ci(L[f][r].values(), conf), n_seeds=len(proto.heldout_seeds),
+                     failed=[s.name for s in sp if not recs[s.name]["missing"] and recs[s.name].get("final_val_loss") is None],
+                     missing=[s.name for s in sp if recs[s.name]["missing"]],
+                     above_unigram=mean_ci([v - unigram for v in L[f][r].values() if finite(v)] if finite(unigram) else [], conf),
+                     mechanism={k: mean_of((recs[s.name].get("mechanism") or {}).get(k) for s in sp) for k in MECH_ALL})
+            if r != CONTROL: c["benefit"] = paired_test(L[f][CONTROL], L[f][r], conf)
+            if r not in (CONTROL, UPPER): c["recovered"] = recovered_fraction(L[f][CONTROL], L[f][r], L[f][UPPER], conf)
+            cells[f][r] = c
+    for fam in ([r for r in plan.rules if r not in (CONTROL, UPPER)], [UPPER]):
+        adj = holm({(f, r): cells[f][r]["benefit"]["p"] for f in plan.formats for r in fam})
+        for (f, r), p in adj.items(): cells[f][r]["benefit"]["p_holm"] = p
+    return cells, L
+
+def decisive_mde(plan: StudyPlan, cells: dict, pairs: dict, n: int) -> dict:
+    "The minimum effect detectable at 80% power (two-sided paired t, alpha 0.05) from the median measured paired SDs."
+    sd_b = [cells[f][r]["benefit"]["sd"] for f in plan.formats for r in plan.rules if r != CONTROL and cells[f][r]["benefit"].get("sd")]
+    sd_f = [v["sd"] for fam in pairs.values() for v in fam.values() if v.get("sd")]
+    one = lambda sds: (dict(sd=float(np.median(sds)), mde=min_detectable_effect(float(np.median(sds)), n)) if sds and n >= 2 else dict(sd=None, mde=None))
+    return dict(n=n, power=0.8, alpha=0.05, benefit=one(sd_b), formats=one(sd_f))
+
+def _no_none(d):
+    "A record without its None entries (nested dicts too): the decisive study.json stays small."
+    return {k: _no_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
+
+def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: dict | None, unigram, conf: float = 0.95) -> dict:
+    "Every number of a decisive study's write-up from `{run name: Run or None}` (`study.json`'s content)."
+    from altgrad.law import law_fit, format_correlation
+    tune, held = _decisive_specs(plan, proto, grids, choice)
+    recs = {sp.name: run_record(sp, runs.get(sp.name)) for sp in tune + held}
+    missing = [n for n, x in recs.items() if x["missing"]]
+    pending = [r for r, g in grids.items() if g["status"] == "pending"]
+    done = not missing and not pending and choice is not None          # an incomplete study computes no statistic: it claims nothing
+    cells, L = decisive_cells(plan, proto, recs, held, unigram, conf) if done else ({}, {})
+    pairs = format_pairs(plan, L, conf) if done else {}
+    pts = law_points(plan, proto, recs, grids) if done else {}
+    law = {r: dict(law_fit(p, increasing=True), points=p) for r, p in pts.items()}
+    law_r = {r: law_fit([dict(q, x=q["r"]) for q in p], increasing=False) for r, p in pts.items()}    # the same against median r
+    corr = {r: format_correlation({f: (cells[f][CONTROL]["mechanism"].get("pred_stall"), cells[f][r]["benefit"]["mean"]) for f in plan.formats})
+            for r in plan.rules if r != CONTROL} if done else {}
+    grid_cells = [(f, r) for f in plan.formats for r in plan.rules if r not in (CONTROL, UPPER)
+                  and cells.get(f, {}).get(r, {}).get("benefit", {}).get("mean") is not None]
+    head = max(grid_cells, key=lambda fr: cells[fr[0]][fr[1]]["benefit"]["mean"]) if grid_cells else None
+    refs = {p: mean_ci(_losses(recs, [s for s in held if s.fmt is None and s.rule == p]).values(), conf) for p in REF_PRECISIONS} if done else {}
+    split = next((runs[s.name].summary.get("compute_split") for s in held if s.fmt and runs.get(s.name) is not None
+                  and runs[s.name].summary.get("compute_split")), None)
+    seconds = {ph: math.fsum(x.get("seconds") or 0.0 for x in recs.values() if x["phase"] == ph) for ph in ("lr", "seeds")}
+    return json_safe(dict(
+        design="decisive", protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram, conf=conf,
+        complete=done, missing=missing, pending_rules=pending,
+        missing_by_phase={ph: [n for n in missing if recs[n]["phase"] == ph] for ph in ("lr", "seeds")},
+        failed=[n for n, x in recs.items() if not x["missing"] and x.get("final_val_loss") is None],
+        lr_choice=dict(grids={r: dict(mults=g["mults"], status=g["status"], mult=g["mult"], table=g["table"]) for r, g in grids.items()},
+                       mults=choice["mults"] if choice else None, rule=proto.choice_rule),
+        cells=cells, format_pairs=pairs, mde=decisive_mde(plan, cells, pairs, len(proto.heldout_seeds)) if done else None,
+        references=refs, compute_split=split, law=law, law_r={r: {k: v for k, v in x.items() if k != 'fit'} for r, x in law_r.items()}, correlation=corr, headline=dict(fmt=head[0], rule=head[1]) if head else None,
+        devices=sorted({x.get("device") for x in recs.values() if x.get("device")}),
+        budget=dict(seconds=seconds, total_seconds=seconds["lr"] + seconds["seeds"], runs=len(recs) - len(missing)),
+        runs={n: _no_none(x) for n, x in recs.items()}))
+
+# %% ../nbs/35_answer.ipynb #35h8ec3d
+def incomplete_text(st: dict) -> str:
+    "What an incomplete decisive study lacks (it claims nothing)."
+    mp, tot = st["missing_by_phase"], st["runs"]
+    parts = [f"{len(mp['lr'])} of {sum(1 for x in tot.values() if x['phase'] == 'lr')} tuning runs ({join_names(mp['lr'], 4)})" if mp["lr"] else None,
+             f"{len(mp['seeds'])} of {sum(1 for x in tot.values() if x['phase'] == 'seeds')} held-out runs ({join_names(mp['seeds'], 4)})" if mp["seeds"] else None,
+             f"the learning-rate choice of {', '.join(st['pending_rules'])} (its tuning runs are not all there), so the held-out runs "
+             "are not even planned yet" if st["pending_rules"] else None]
+    return ("**Answer.** None: the study is incomplete, so it claims nothing. Missing: " + "; ".join(p for p in parts if p)
+            + ". Rerun the study's command (below) to train what is missing; finished runs are reused.")
+
+def law_clause(st: dict, r: str) -> str:
+    "Why, in one clause: the law of rule `r`'s benefit (R², LOFO, one curve or not)."
+    L = st["law"].get(r) or {}
+    if L.get("r2") is None: return "the law could not be fitted"
+    return (f"across all {L['n']} format × rate points its benefit is one increasing function of nearest's stall with R² = {L['r2']:.2f} "
+            f"(leave-one-format-out RMSE {L['lofo_rmse']:.3f} nats): "
+            + ("the stall mechanism explains it" if L["one_curve"] else "the points do not fall on one curve, so the stall alone does not explain it"))
+
+def decisive_paragraph(st: dict) -> str:
+    "The first paragraph of a decisive study's `answer.md`."
+    sens = f"**Sensitivity run ({st['protocol']['sensitivity']}), not the protocol's answer.** " if st["protocol"].get("sensitivity") else ""
+    if not st["complete"]: return sens + incomplete_text(st)
+    h, n = st["headline"], len(st["protocol"]["heldout_seeds"])
+    if h is None: return sens + "**Answer.** Not available: the study has no grid-aware rule (use --rules)."
+    f, r = h["fmt"], h["rule"]; b = st["cells"][f][r]["benefit"]; mde = st["mde"]["benefit"]
+    resolved = b.get("p_holm") is not None and b["p_holm"] < 0.05 and b["mean"] > 0
+    if b["mean"] <= 0:
+        return sens + (f"**Answer.** No grid-aware rule lowered the final validation loss on average; the least harmful is **{f}** with "
+                       f"**{rule_label(r)}**, {-b['mean']:.3f} nats *above* round-to-nearest ({ci_text(b)}, {b['n']} held-out seeds). "
+                       f"The law: {law_clause(st, r)}.")
+    S = [(f"**Answer.** **{f}** benefits most, from **{rule_label(r)}**: " if resolved else
+          f"**Answer.** No format × rule benefit is resolved after Holm's correction; the largest mean benefit is **{f}** with "
+          f"**{rule_label(r)}**: ") + f"{b['mean']:.3f} nats below round-to-nearest's final validation loss ({ci_text(b)}, paired over "
+         f"{b['n']} held-out seeds, Holm-adjusted p = {fmt_num(b.get('p_holm'), '.2g')}). Why: {law_clause(st, r)}."]
+    if mde.get("mde") is not None:
+        S.append(f"With {n} held-out seeds the smallest benefit detectable at 80% power is {mde['mde']:.3f} nats (median paired SD "
+                 f"{mde['sd']:.3f}); between formats it is {fmt_num(st['mde']['formats'].get('mde'), '.3f')} nats.")
+    unb = [q for q, g in st["lr_choice"]["grids"].items() if g["status"] == "unbracketed"]
+    S.append("Every regime's learning rate is bracketed (its best multiplier is interior)." if not unb else
+             (f"The learning rate of {unb[0]} is unbracketed: its best multiplier is" if len(unb) == 1 else
+              f"The learning rates of {', '.join(unb[:-1])} and {unb[-1]} are unbracketed: their best multipliers are")
+             + f" still at an edge after {st['protocol']['max_extensions']} extensions, so the optimum may lie beyond the grid.")
+    return sens + " ".join(S)
+
+# %% ../nbs/35_answer.ipynb #35h8f10d
+def pairs_section(st: dict) -> list[str]:
+    "Every pair of formats per regime, paired by seed, with Holm's adjustment within the regime."
+    L = ["", "## Formats against each other (paired by seed)", "",
+         "d = L_a − L_b over the held-out seeds (> 0: b has the lower loss); p: paired t-test; Holm: adjusted within the regime's "
+         f"{len(next(iter(st['format_pairs'].values()), {}))} pairs.", "", "| regime | a vs b | d | 95% CI | p | Holm p |", "|---|---|---|---|---|---|"]
+    for r, fam in st["format_pairs"].items():
+        for k, v in fam.items():
+            L.append(f"| {r} | {k} | {fmt_num(v.get('mean'), '+.4f')} | {ci_text(v, '.4f').replace('95% CI ', '')} | {fmt_num(v.get('p'), '.2g')} | {fmt_num(v.get('p_holm'), '.2g')} |")
+    return L
+
+def decisive_results_section(st: dict) -> list[str]:
+    "The table of every format × regime cell over the held-out seeds."
+    seeds = st["protocol"]["heldout_seeds"]
+    L = ["## Results per format × rule (held-out seeds)", "",
+         f"Mean ± half-width of the 95% t-interval over the held-out seeds {', '.join(map(str, seeds))}. **Benefit**: L_nearest − L_rule "
+         "paired by seed (for FP32 master weights: the master-weight gap); Holm: adjusted over the grid rules' family (the gap is "
+         "its own family). **Recovered**: benefit / gap with Fieller's interval.", "",
+         "| format | rule | lr × | final val loss | benefit vs nearest | Holm p | recovered | finished |", "|---|---|---|---|---|---|---|---|"]
+    for f, per in st["cells"].items():
+        for r, c in per.items():
+            b = c.get("benefit")
+            L.append(f"| {f} | {r} | {fmt_num(c['lr_mult'] and mult_label(c['lr_mult']))} | {pm(c['loss'])} | "
+                     f"{pm(b, '.4f', total=len(seeds)) if b else 'control'} | {fmt_num(b.get('p_holm'), '.2g') if b else '—'} | "
+                     f"{recovered_text(c.get('recovered')) if c.get('recovered') else '—'} | {c['loss']['n']}/{len(seeds)} |")
+    return L
+
+def law_section(st: dict) -> list[str]:
+    "The law per quantity (gap and each rule's benefit) and the rank correlations across formats."
+    L = ["", "## The mechanism as a law", "",
+         "One point per format × learning-rate multiplier from the tuning seeds' runs: x = nearest's predicted stall (share of updates "
+         "below half a grid step), y = the paired difference to nearest at the same multiplier. One isotonic (monotone increasing) "
+         "curve through all points; R² and the leave-one-format-out (LOFO) error.", "",
+         "| quantity | points | R² | LOFO RMSE | LOFO / SD | one curve |", "|---|---|---|---|---|---|"]
+    name = lambda r: "master-weight gap (fp32)" if r == UPPER else f"benefit of {r}"
+    for r, x in st["law"].items():
+        L.append(f"| {name(r)} | {x['n']} | {fmt_num(x['r2'], '.2f')} | {fmt_num(x['lofo_rmse'], '.4f')} | {fmt_num(x['lofo_rel'], '.2f')} | "
+                 f"{'—' if x['one_curve'] is None else 'yes' if x['one_curve'] else 'no'} |")
+    for r, x in st.get("law_r", {}).items():
+        L.append(f"| {name(r)} against median r (decreasing) | {x['n']} | {fmt_num(x['r2'], '.2f')} | {fmt_num(x['lofo_rmse'], '.4f')} | "
+                 f"{fmt_num(x['lofo_rel'], '.2f')} | {'—' if x['one_curve'] is None else 'yes' if x['one_curve'] else 'no'} |")
+    L += [""] + [law_text(name(r), x) for r, x in st["law"].items()]
+    L += ["", "Across the formats (held-out seeds, each format at its tuned rate): Spearman ρ between nearest's predicted stall and "
+          "the benefit, with the exact permutation p.", "", "| quantity | ρ | n | p |", "|---|---|---|---|"]
+    L += [f"| {name(r)} | {fmt_num(c.get('rho'), '.2f')} | {c.get('n')} | {fmt_num(c.get('p'), '.2g')} |" for r, c in st["correlation"].items()]
+    return L
+
+def bracket_section(st: dict) -> list[str]:
+    "Each regime's rate grid: mean tuning loss per multiplier (chosen in bold), its status."
+    L = ["", "## Learning rates (tuning seeds only)", "", f"Choice rule, fixed before the seed phase: {st['lr_choice']['rule']}.", "",
+         "| regime | multipliers: mean tuning loss | chosen | status |", "|---|---|---|---|"]
+    for r, g in st["lr_choice"]["grids"].items():
+        cells = [(f"**×{lab} {fmt_num(row['mean_loss'], '.4f')}**" if row["mult"] == g["mult"] else f"×{lab} {fmt_num(row['mean_loss'], '.4f')}")
+                 + (f" ({len(row['failed'])} failed)" if row["failed"] else "") for lab, row in sorted(g["table"].items(), key=lambda t: t[1]["mult"])]
+        L.append(f"| {r} | {', '.join(cells) or '—'} | {fmt_num(g['mult'] and mult_label(g['mult']))} | {g['status']} |")
+    return L
+
+# %% ../nbs/35_answer.ipynb #35h88437
+def plot_law(st: dict):
+    "One panel per quantity: the points (colour: format) against nearest's predicted stall, and the one isotonic curve."
+    laws = st["law"]
+    fig, axs = plt.subplots(1, len(laws), figsize=(3.6 * len(laws), 3.3), squeeze=False)
+    fmts = st["plan"]["formats"]
+    for ax, (r, L) in zip(axs[0], laws.items()):
+        for j, f in enumerate(fmts):
+            P = [p for p in L["points"] if p["fmt"] == f and p.get("x") is not None and p.get("y") is not None]
+            ax.plot([p["x"] for p in P], [p["y"] for p in P], "o", ms=4, color=f"C{j}", label=f)
+        if L.get("fit"): ax.plot(L["fit"]["x"], L["fit"]["y"], "k-", lw=1)
+        ax.axhline(0, color="0.6", lw=0.6)
+        ax.set(xlabel="nearest's predicted stall", title=("gap (fp32)" if r == UPPER else r) + f"  R²={fmt_num(L.get('r2'), '.2f')}")
+    axs[0][0].set_ylabel("L_nearest − L_regime (nats)"); axs[0][0].legend(fontsize=7)
+    fig.tight_layout(); return fig
+
+def _reference_clause(st: dict) -> str:
+    "How far below the unigram baseline the FP32 reference ends (goal: at least 1 nat)."
+    ref = (st.get("references") or {}).get("fp32", {})
+    if ref.get("mean") is None or not finite(st.get("unigram")): return ""
+    gap = st["unigram"] - ref["mean"]
+    return (f"; the FP32 reference ends {gap:.3f} nats below the unigram baseline of the study's inputs "
+            f"({st['unigram']:.3f}; goal ≥ 1.0: {'met' if gap >= 1.0 else 'missed'})")
+
+def decisive_protocol_section(st: dict, inputs: dict) -> list[str]:
+    "How the decisive study was run."
+    plan, pr, cfg = st["plan"], st["protocol"], inputs.get("model", {})
+    return ["", "## Protocol", "",
+            f"- **Preset** `{plan['preset']}` ({model_text(cfg)}), {plan['steps']} steps per run; "
+            f"{fmt_num(inputs.get('num_params'), ',')} parameters, {fmt_num(inputs.get('grid_params'), ',')} of them on the 8-bit grid.",
+            f"- **Formats** {', '.join(plan['formats'])}; **regimes** {', '.join(f'`{r}` ({rule_label(r)})' for r in plan['rules'])}.",
+            f"- **Tuning seeds** {', '.join(map(str, pr['tuning_seeds']))} choose the learning-rate multiplier only; **held-out seeds** "
+            f"{', '.join(map(str, pr['heldout_seeds']))} give every statistic. The validation set is the same for every run, so every "
+            "comparison is paired by seed.",
+            f"- **Learning rates**: multipliers {', '.join('×' + mult_label(m) for m in pr['base_mults'])} of each regime's default, extended "
+            f"by ×{pr['extend_factor']:g} beyond an edge at most {pr['max_extensions']} times; choice rule: {pr['choice_rule']}.",
+            "- **References** per held-out seed: FP32 and BF16 autocast, nothing 8-bit, at FP32 master weights' multiplier"
+            + _reference_clause(st) + ".",
+            "- **What is 8-bit**: " + (f"{sp['param_share']:.0%} of the parameters and {sp['flop_share']:.0%} of the matmul FLOPs of a training "
+                                       "step (the run's `summary.json`, `compute_split`; goal ≥ 50% each)" if (sp := st.get("compute_split")) else
+                                       "the shares of parameters and FLOPs were not recorded in the runs' summaries") + ".",
+            f"- **Budget**: {st['budget']['runs']} runs, {st['budget']['total_seconds'] / 3600:.2f} h of training on {', '.join(st['devices']) or '?'}.",
+            "- **NaN policy**: a run stops at its first non-finite loss and counts as failed (left out of means, listed)."]
+
+def write_decisive_answer(out, st: dict, inputs: dict) -> Path:
+    "Write `out/answer.md` and `out/study.json` of a decisive study from `decisive_analyze`'s result."
+    out = Path(out)
+    st = dict(st, answer=decisive_paragraph(st),
+              expectations=decisive_expectations(st, inputs.get("expectations", SEED_EXPECTATIONS)) if st["complete"] else [])
+    L = ["# Which 8-bit format benefits most from grid-aware updates, and why", ""]
+    if st["protocol"].get("sensitivity"): L += [f"*Sensitivity run: {st['protocol']['sensitivity']}. Not the protocol's answer.*", ""]
+    L += [st["answer"], ""]
+    if st["complete"]:
+        L += ["## The seeds' expectations (paired tests)", ""] + [f"- {x}" for x in st["expectations"]] + [""]
+        st["figures"] = dict(law=save_figure(plot_law(st), out / "figures" / "law.png"))
+        L += decisive_results_section(st) + pairs_section(st) + law_section(st) + ["", f"![law]({st['figures']['law']})", "",
+              "Each regime's difference to nearest against nearest's predicted stall, one point per format × multiplier (tuning "
+              "seeds); the black line is the one isotonic curve through all of them."]
+    L += bracket_section(st) + decisive_protocol_section(st, inputs) + regenerate_section(inputs)
+    (out / "answer.md").write_text("\n".join(L))
+    (out / "study.json").write_text(json.dumps(json_safe(st), indent=1, ensure_ascii=False) + "\n")
+    return out / "answer.md"
+
+def report_decisive(out, inputs: dict, log=print, runs: dict | None = None) -> Path:
+    "Rewrite a decisive study's `answer.md` and `study.json` from its run folders and `study_inputs.json` alone."
+    from altgrad.study import Protocol, bracket_grids, decisive_lr_specs, decisive_seed_specs, decisive_choice
+    out, cache, loaded = Path(out), dict(runs or {}), {}
+    plan, proto = StudyPlan.from_dict(inputs["plan"]), Protocol.from_dict(inputs["protocol"])
+    inputs = {**model_inputs(plan), **inputs}
+    def load(specs):
+        for sp in specs:
+            if sp.name in loaded: continue
+            if sp.name in cache: loaded[sp.name] = cache[sp.name]; continue
+            try: loaded[sp.name] = load_run(run_dir(out, sp.name))
+            except (OSError, ValueError, KeyError): loaded[sp.name] = None
+        return {n: final_loss(r) for n, r in loaded.items() if r is not None}
+    grids = bracket_grids(plan, proto, {})
+    for _ in range(proto.max_extensions + 2):
+        new = bracket_grids(plan, proto, load(decisive_lr_specs(plan, proto, grids)))
+        if new == grids: break
+        grids = new
+    choice = decisive_choice(grids)
+    if choice: load(decisive_seed_specs(plan, proto, choice["mults"]))
+    return write_decisive_answer(out, decisive_analyze(plan, proto, loaded, grids, choice, inputs.get("unigram")), inputs)
+
+# %% ../nbs/35_answer.ipynb #35h82f78
+def fake_decisive_study(out, plan: StudyPlan, proto, loss, stall, unigram: float = 6.0, skip=lambda name: False) -> Path:
+    "Write a decisive study's `study_inputs.json` and every run folder its protocol reaches (in rounds, as the grids grow)."
+    from altgrad.study import bracket_grids, decisive_lr_specs, decisive_seed_specs, decisive_choice, decisive_command
+    out = Path(out); losses = {}
+    def write(sp):
+        if skip(sp.name): return
+        val = loss(sp.fmt, sp.rule, sp.lr_mult, sp.seed)
+        write_fake_run(run_dir(out, sp.name), None if val is None else round(val, 6), fmt=sp.fmt, seed=sp.seed,
+                       pred_stall=stall(sp.fmt, sp.lr_mult) if sp.fmt else 0.5, update_ratio=0.4, precision=sp.rule if sp.fmt is None else "auto")
+        losses[sp.name] = None if val is None else round(val, 6)
+    for _ in range(proto.max_extensions + 2):
+        for sp in decisive_lr_specs(plan, proto, bracket_grids(plan, proto, losses)):
+            if sp.name not in losses: write(sp)
+    choice = decisive_choice(bracket_grids(plan, proto, losses))
+    if choice:
+        for sp in decisive_seed_specs(plan, proto, choice["mults"]): write(sp)
+    inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram, lr_choice=json_safe(choice), out=str(out.name),
+                  command=decisive_command(plan, proto, out.name), expectations=list(SEED_EXPECTATIONS))
+    (out / INPUTS_FILE).write_text(json.dumps(json_safe(inputs), indent=1) + "\n")
+    return out

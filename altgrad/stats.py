@@ -10,7 +10,7 @@ import numpy as np
 # %% auto #0
 __all__ = ['T975', 'scipy_stats', 't_crit', 'finite', 'mean_of', 'mean_ci', 'paired_seeds', 'paired_benefit', 'ratio_ci',
            'recovered_fraction', 'power_paired', 'min_detectable_effect', 'overlaps', 'rank_by_benefit', 'ranking_text',
-           'rankdata', 'spearman']
+           'rankdata', 'spearman', 'betainc_reg', 't_two_sided_p', 'paired_test', 'holm']
 
 # %% ../nbs/28_stats.ipynb #28a00005
 T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
@@ -203,4 +203,43 @@ def spearman(x, y, exact_max: int = 8, n_perm: int = 20000, seed: int = 0) -> di
         hits = int((np.abs(perms @ cx / den) >= abs(rho) - 1e-12).sum())
         p, how = (hits + 1) / (n_perm + 1), f"{n_perm} random orders"
     out.update(rho=rho, p=p, p_method=how)
+    return out
+
+# %% ../nbs/28_stats.ipynb #28h879eb
+def betainc_reg(a: float, b: float, x: float) -> float:
+    "The regularized incomplete beta function I_x(a, b) (Lentz's continued fraction, relative accuracy ~1e-14)."
+    if not 0 <= x <= 1: raise ValueError(f"x must be in [0, 1], got {x!r}")
+    if x in (0, 1): return float(x)
+    if x > (a + 1) / (a + b + 2): return 1.0 - betainc_reg(b, a, 1 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        num = 1.0 if i == 0 else (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if i % 2 == 0 else
+                                  -((a + m) * (a + b + m) * x) / ((a + 2 * m) * (a + 2 * m + 1)))
+        d = 1.0 + num * d; d = 1 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num / c; c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-15: break
+    return front * (f - 1.0)
+
+def t_two_sided_p(t: float, df: int) -> float:
+    "P(|T| >= |t|) for Student's t with `df` degrees of freedom."
+    if not (finite(df) and df > 0): raise ValueError(f"df must be positive, got {df!r}")
+    return betainc_reg(df / 2, 0.5, df / (df + t * t)) if math.isfinite(t) else 0.0
+
+def paired_test(control: dict, treated: dict, conf: float = 0.95) -> dict:
+    "`paired_benefit` (d_s = control − treated per seed) plus the paired t statistic `t` and its two-sided `p` (None below 2 pairs or SD 0)."
+    r = paired_benefit(control, treated, conf)
+    r.update(t=None, p=None)
+    if r["n"] >= 2 and r["sd"]:
+        r["t"] = r["mean"] / (r["sd"] / math.sqrt(r["n"])); r["p"] = t_two_sided_p(r["t"], r["n"] - 1)
+    return r
+
+def holm(pvals: dict) -> dict:
+    "Holm's step-down adjusted p-values of a family `{key: p or None}` (None stays None and does not count in m)."
+    keys = sorted((k for k, p in pvals.items() if p is not None), key=lambda k: pvals[k])
+    m, out, run = len(keys), {k: None for k in pvals}, 0.0
+    for i, k in enumerate(keys):
+        run = max(run, min(1.0, (m - i) * pvals[k])); out[k] = run
     return out

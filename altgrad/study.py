@@ -21,13 +21,17 @@ from .sweep import _portable, check_run, config_diff, ensure_data, resolve_prese
 
 # %% auto #0
 __all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER', 'REF_PRECISIONS', 'SEED_EXPECTATIONS',
-           'STUDY_KEYS', 'STUDY_DEFAULTS', 'INPUTS_FILE', 'CPU_STEP_SECONDS', 'RUN_OVERHEAD_SECONDS', 'mult_label',
-           'parse_mults', 'lr_scale_for', 'distinct_formats', 'normalize_rules', 'StudyPlan', 'study_defaults',
-           'make_plan', 'RunSpec', 'reference_spec', 'format_spec', 'lr_specs', 'seed_specs', 'cell_specs',
-           'parse_shard', 'shard_specs', 'trivial_choice', 'run_dir', 'spec_config', 'resumable', 'finalize_run',
-           'train_spec', 'execute', 'collect_runs', 'choose_lr', 'lr_key', 'load_lr_choice', 'json_safe',
-           'write_lr_choice', 'resolve_choice', 'join_names', 'regenerate_command', 'model_inputs', 'write_inputs',
-           'run_study', 'estimate_seconds', 'study_cli']
+           'STUDY_KEYS', 'STUDY_DEFAULTS', 'INPUTS_FILE', 'DECISIVE_RULES', 'TUNING_SEEDS', 'HELDOUT_SEEDS',
+           'CHOICE_RULE', 'CPU_STEP_SECONDS', 'RUN_OVERHEAD_SECONDS', 'mult_label', 'parse_mults', 'lr_scale_for',
+           'distinct_formats', 'normalize_rules', 'StudyPlan', 'study_defaults', 'make_plan', 'RunSpec',
+           'reference_spec', 'format_spec', 'lr_specs', 'seed_specs', 'cell_specs', 'parse_shard', 'shard_specs',
+           'trivial_choice', 'run_dir', 'spec_config', 'resumable', 'finalize_run', 'train_spec', 'execute',
+           'collect_runs', 'choose_lr', 'lr_key', 'load_lr_choice', 'json_safe', 'write_lr_choice', 'resolve_choice',
+           'join_names', 'regenerate_command', 'model_inputs', 'write_inputs', 'run_study', 'Protocol', 'make_protocol',
+           'decisive_plan', 'tuning_specs', 'choose_bracketed', 'bracket_grid', 'bracket_grids', 'decisive_lr_specs',
+           'decisive_seed_specs', 'decisive_choice', 'name_shard', 'check_inputs', 'write_decisive_inputs',
+           'decisive_command', 'run_decisive', 'estimate_seconds', 'decisive_estimate', 'estimate_text',
+           'measure_step_seconds', 'parse_step_seconds', 'study_cli']
 
 # %% ../nbs/32_study.ipynb #32a00005
 DISTINCT_FORMATS = ("E0M7", "E2M5", "E3M4", "E4M3", "E5M2", "E6M1", "E7M0")
@@ -466,6 +470,185 @@ def run_study(preset: str = "cpu", out="outputs/study", formats=None, rules=None
     log(f"[altgrad-study] wrote {p}")
     return dict(status="complete" if st["complete"] else "incomplete", answer=p, counts=counts, choice=choice["mults"])
 
+# %% ../nbs/32_study.ipynb #32h851db
+DECISIVE_RULES = ("fp32", "nearest", "stochastic", "kahan", "madam")
+TUNING_SEEDS, HELDOUT_SEEDS = (42, 43, 44), (45, 46, 47, 48, 49, 50)
+CHOICE_RULE = ("per regime, the multiplier with the fewest failed tuning runs, then the lowest mean final validation loss over "
+               "every format and tuning seed; ties go to the smaller multiplier")
+
+@dataclass
+class Protocol:
+    "The decisive study's protocol: which seeds tune, which seeds measure, how the learning-rate grid is bracketed."
+    tuning_seeds: list
+    heldout_seeds: list
+    base_mults: list = field(default_factory=lambda: [1 / 3, 1.0, 3.0])
+    extend_factor: float = 3.0
+    max_extensions: int = 2
+    choice_rule: str = CHOICE_RULE
+    sensitivity: str | None = None          # a label: this study is a sensitivity run, never the headline
+
+    def to_dict(self) -> dict: return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Protocol: return cls(**d)
+
+def make_protocol(tuning_seeds=None, heldout_seeds=None, base_mults=None, max_extensions: int = 2, sensitivity: str | None = None) -> Protocol:
+    "Validate a `Protocol` (lists or comma-separated text; None: 42-44 tune, 45-50 measure, ×1/3, ×1, ×3, two extensions)."
+    def ints(v, default, what):
+        try: return list(dict.fromkeys(int(s) for s in (_as_list(v) or default)))
+        except (TypeError, ValueError): raise ConfigError(f"--{what} {v!r}: give integers such as 42,43,44") from None
+    tune, held = ints(tuning_seeds, TUNING_SEEDS, "tuning-seeds"), ints(heldout_seeds, HELDOUT_SEEDS, "heldout-seeds")
+    if set(tune) & set(held): raise ConfigError(f"tuning and held-out seeds must differ; both have {sorted(set(tune) & set(held))}")
+    if len(held) < 2: raise ConfigError(f"--heldout-seeds: need at least 2 held-out seeds for an interval, got {held}")
+    if isinstance(max_extensions, bool) or not isinstance(max_extensions, int) or max_extensions < 0:
+        raise ConfigError(f"--max-extensions must be an integer >= 0, got {max_extensions!r}")
+    mults = sorted(parse_mults(base_mults)) if base_mults not in (None, "") else [1 / 3, 1.0, 3.0]
+    return Protocol(tune, held, mults, 3.0, max_extensions, CHOICE_RULE, sensitivity or None)
+
+def decisive_plan(preset: str = "study", formats=None, rules=None, proto: Protocol | None = None, steps: int | None = None,
+                  shadow: bool | None = None, overrides: dict | None = None) -> StudyPlan:
+    "The `StudyPlan` of a decisive study: every format is tuned, seeds = tuning then held-out seeds."
+    proto = proto or make_protocol()
+    return make_plan(preset, formats, rules or DECISIVE_RULES, proto.tuning_seeds + proto.heldout_seeds, steps,
+                     proto.base_mults, formats or DISTINCT_FORMATS, shadow, overrides)
+
+# %% ../nbs/32_study.ipynb #32h8cb49
+def tuning_specs(plan: StudyPlan, proto: Protocol, rule: str, mults) -> list[RunSpec]:
+    "The tuning runs of `rule` at `mults`: every format × tuning seed."
+    return [format_spec(f, rule, s, m, "lr") for m in mults for f in plan.formats for s in proto.tuning_seeds]
+
+def choose_bracketed(plan: StudyPlan, proto: Protocol, rule: str, mults, losses: dict) -> dict:
+    "`CHOICE_RULE` over `mults` (every tuning run in `losses`): `{'mult', 'table'}`."
+    rows = {}
+    for m in mults:
+        names = [s.name for s in tuning_specs(plan, proto, rule, [m])]
+        ok = [losses[n] for n in names if finite(losses[n])]
+        rows[mult_label(m)] = dict(mult=m, mean_loss=math.fsum(ok) / len(ok) if ok else None, n=len(ok),
+                                   failed=[n for n in names if not finite(losses[n])])
+    key = lambda m: (len(rows[mult_label(m)]["failed"]), rows[mult_label(m)]["mean_loss"] if rows[mult_label(m)]["mean_loss"] is not None else math.inf, m)
+    return dict(mult=min(mults, key=key), table=rows)
+
+def bracket_grid(plan: StudyPlan, proto: Protocol, rule: str, losses: dict) -> dict:
+    """The grid of `rule` given the finished tuning runs `losses` (`{name: loss or None}`, absent: not run yet):
+    `{'mults' (in order of addition), 'status': pending | bracketed | unbracketed | single, 'mult', 'table'}`."""
+    mults = list(proto.base_mults)
+    for k in range(proto.max_extensions + 1):
+        if any(s.name not in losses for s in tuning_specs(plan, proto, rule, mults)): return dict(mults=mults, status="pending", mult=None, table={})
+        c = choose_bracketed(plan, proto, rule, mults, losses)
+        if len(mults) == 1: return dict(mults=mults, status="single", **c)
+        if min(mults) < c["mult"] < max(mults): return dict(mults=mults, status="bracketed", **c)
+        if k == proto.max_extensions: return dict(mults=mults, status="unbracketed", **c)
+        mults.append(float(f"{c['mult'] * proto.extend_factor if c['mult'] == max(mults) else c['mult'] / proto.extend_factor:.6g}"))
+
+def bracket_grids(plan: StudyPlan, proto: Protocol, losses: dict) -> dict:
+    "`bracket_grid` of every regime."
+    return {r: bracket_grid(plan, proto, r, losses) for r in plan.rules}
+
+def decisive_lr_specs(plan: StudyPlan, proto: Protocol, grids: dict) -> list[RunSpec]:
+    "Every tuning run of the current grids."
+    return [s for r in plan.rules for s in tuning_specs(plan, proto, r, grids[r]["mults"])]
+
+def decisive_seed_specs(plan: StudyPlan, proto: Protocol, mults: dict) -> list[RunSpec]:
+    "Held-out seeds: both references at FP32 master weights' multiplier, every format × regime at the regime's multiplier."
+    out = [reference_spec(s, p, mults[UPPER], "seeds") for s in proto.heldout_seeds for p in REF_PRECISIONS]
+    return out + [format_spec(f, r, s, mults[r]) for s in proto.heldout_seeds for f in plan.formats for r in plan.rules]
+
+def decisive_choice(grids: dict) -> dict | None:
+    "The LR choice once every grid is settled (None while any is pending)."
+    if any(g["status"] == "pending" for g in grids.values()): return None
+    return dict(mults={r: g["mult"] for r, g in grids.items()}, table={r: g["table"] for r, g in grids.items()},
+                status={r: g["status"] for r, g in grids.items()}, grids={r: g["mults"] for r, g in grids.items()})
+
+# %% ../nbs/32_study.ipynb #32h8e0f3
+def name_shard(name: str, n: int) -> int:
+    "The shard (0..n-1) a run belongs to: a stable hash of its name."
+    import zlib
+    return zlib.crc32(name.encode()) % n
+
+def check_inputs(out, inputs: dict) -> None:
+    "Refuse a study folder whose `study_inputs.json` fixed another protocol or plan (the protocol is fixed before the seed phase)."
+    p = Path(out) / INPUTS_FILE
+    if not p.exists(): return
+    try: old = json.loads(p.read_text())
+    except ValueError: return
+    for k in ("protocol", "plan"):
+        if k in old and json_safe(old[k]) != json_safe(inputs[k]):
+            diff = [f"{q}: {old[k].get(q)!r} there, {inputs[k].get(q)!r} here" for q in inputs[k] if old[k].get(q) != inputs[k].get(q)]
+            raise ConfigError(f"{p} fixed another {k} ({'; '.join(diff) or 'different keys'}); use another --out or the same options")
+
+def write_decisive_inputs(out, plan: StudyPlan, proto: Protocol, data, data_dir, choice: dict | None, step_seconds: dict | None = None) -> Path:
+    "Write `out/study_inputs.json` for the decisive protocol (`choice`: None before the seed phase)."
+    from altgrad.data import unigram_baseline
+    inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram_baseline(data), lr_choice=json_safe(choice),
+                  out=_portable(out), command=decisive_command(plan, proto, _portable(out), data_dir), **model_inputs(plan),
+                  expectations=list(SEED_EXPECTATIONS), step_seconds=step_seconds)
+    check_inputs(out, inputs)
+    p = Path(out) / INPUTS_FILE
+    if choice is None and p.exists(): return p          # fixed already (a shard must not erase a choice written since)
+    p.write_text(json.dumps(json_safe(inputs), indent=1) + "\n")
+    return p
+
+def decisive_command(plan: StudyPlan | dict, proto: Protocol | dict, out, data_dir: str | None = None) -> str:
+    "The `altgrad-study --design decisive` command that trains (or reuses) exactly this study."
+    p, q = (x if isinstance(x, dict) else x.to_dict() for x in (plan, proto))
+    a = ["altgrad-study", "--design", "decisive", "--preset", p["preset"], "--out", str(out), "--formats", ",".join(p["formats"]),
+         "--rules", ",".join(p["rules"]), "--tuning-seeds", ",".join(map(str, q["tuning_seeds"])), "--heldout-seeds",
+         ",".join(map(str, q["heldout_seeds"])), "--steps", str(p["steps"]),
+         "--lr-mults", ",".join(mult_label(m) if abs(m - round(m, 3)) < 1e-12 else str(Fraction(m).limit_denominator(1000)) for m in q["base_mults"]),
+         "--max-extensions", str(q["max_extensions"]),
+         "--shadow" if p["shadow"] else "--no-shadow"]
+    if q.get("sensitivity"): a += ["--sensitivity", q["sensitivity"]]
+    if data_dir: a += ["--data-dir", str(data_dir)]
+    for k, v in sorted(p.get("overrides", {}).items()): a += ["--set", f"{k}={v}"]
+    return shlex.join(a)
+
+# %% ../nbs/32_study.ipynb #32h887ff
+def run_decisive(plan: StudyPlan, proto: Protocol, out="outputs/study", shard=None, collect=None, data_dir: str | None = None,
+                 wandb_mode: str = "disabled", log=print) -> dict:
+    "Train (or reuse / resume / collect) the decisive study in rounds and write it; returns `run_study`'s dict."
+    from altgrad.answer import report_study
+    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    data = ensure_data(data_dir or None, out)
+    write_decisive_inputs(out, plan, proto, data, data_dir, None)      # the protocol is on disk before any run
+    cache, counts, tag = {}, dict(reused=0, trained=0, present=0, copied=0), f"shard {shard[0]}/{shard[1]}" if shard else "study"
+    def do(specs, desc):
+        if collect:
+            r = collect_runs(plan, specs, [Path(c) for c in collect], out, data, wandb_mode, cache, log)
+            counts["present"] += r["present"]; counts["copied"] += r["copied"]
+        else:
+            mine = [s for s in specs if shard is None or name_shard(s.name, shard[1]) == shard[0]]
+            r = execute(plan, mine, out, data, wandb_mode, desc, cache, log)
+            counts["reused"] += r["reused"]; counts["trained"] += r["trained"]
+    def losses(specs):
+        for sp in specs:
+            if sp.name not in cache:
+                run, _ = check_run(run_dir(out, sp.name), spec_config(plan, sp, out, data, wandb_mode))
+                if run is not None: cache[sp.name] = run
+        return {n: final_loss(r) for n, r in cache.items()}
+    done = set()
+    for rnd in range(proto.max_extensions + 2):
+        grids = bracket_grids(plan, proto, losses(decisive_lr_specs(plan, proto, bracket_grids(plan, proto, losses([])))))
+        todo = [s for s in decisive_lr_specs(plan, proto, grids) if s.name not in done]
+        if not todo: break
+        do(todo, f"{tag}: tuning round {rnd + 1}"); done |= {s.name for s in todo}
+    grids = bracket_grids(plan, proto, losses(decisive_lr_specs(plan, proto, grids)))
+    choice = decisive_choice(grids)
+    if choice is None:
+        log(f"[altgrad-study] {tag}: tuning: {counts['reused']} reused, {counts['trained']} trained")
+        log(f"[altgrad-study] {tag}: the tuning runs of other shards are not finished yet; rerun this command (or --collect) when they are")
+        return dict(status="waiting-for-lr", answer=None, counts=counts, choice=None)
+    if not shard: write_decisive_inputs(out, plan, proto, data, data_dir, choice)
+    do(decisive_seed_specs(plan, proto, choice["mults"]), f"{tag}: held-out seeds")
+    log(f"[altgrad-study] {tag}: " + (f"{counts['present']} already here, {counts['copied']} collected" if collect else
+                                      f"{counts['reused']} reused, {counts['trained']} trained"))
+    if shard:
+        log(f"[altgrad-study] shard {shard[0]}/{shard[1]} done; merge with `--collect` or rerun without --shard")
+        return dict(status="shard-done", answer=None, counts=counts, choice=choice["mults"])
+    p = report_study(out, log, cache)
+    st = json.loads((out / "study.json").read_text())
+    log(f"[altgrad-study] wrote {p}")
+    return dict(status="complete" if st["complete"] else "incomplete", answer=p, counts=counts, choice=choice["mults"])
+
 # %% ../nbs/32_study.ipynb #32a00023
 CPU_STEP_SECONDS = dict(format=0.40, format_shadow=0.70, reference_fp32=0.15, reference_bf16=0.20)
 RUN_OVERHEAD_SECONDS = 10.0       # start-up, evaluations and writing the run folder
@@ -479,6 +662,46 @@ def estimate_seconds(plan: StudyPlan, step_seconds: dict | None = None) -> dict:
         per = t[f"reference_{s.rule}"] if s.fmt is None else t["format_shadow" if plan.shadow else "format"]
         sec += plan.steps * per + RUN_OVERHEAD_SECONDS
     return dict(runs=len(specs), format_runs=sum(s.fmt is not None for s in specs), seconds=sec)
+
+# %% ../nbs/32_study.ipynb #32h89bc8
+def decisive_estimate(plan: StudyPlan, proto: Protocol, step_seconds: dict, shards: int = 2, limit_hours: float = 6.0) -> dict:
+    """Runs and wall time of the decisive study: `step_seconds` has one entry per regime and `reference_fp32` / `reference_bf16`
+    (seconds per step). `{'runs', 'runs_worst', 'hours', 'hours_worst', 'over'}` (hours: wall time on `shards` processes)."""
+    miss = [k for k in [*plan.rules, *(f"reference_{p}" for p in REF_PRECISIONS)] if k not in step_seconds]
+    if miss: raise ConfigError(f"step times missing for {', '.join(miss)}; give them all (e.g. --step-seconds fp32=0.3,...)")
+    per = lambda s: plan.steps * step_seconds[s.rule if s.fmt else f"reference_{s.rule}"] + RUN_OVERHEAD_SECONDS
+    ones = {r: 1.0 for r in plan.rules}
+    base = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults)] + decisive_seed_specs(plan, proto, ones)
+    ext = [s for r in plan.rules for s in tuning_specs(plan, proto, r, [1.0] * proto.max_extensions)]
+    sec, sec_ext = math.fsum(map(per, base)), math.fsum(map(per, ext))
+    h, hw = sec / shards / 3600, (sec + sec_ext) / shards / 3600
+    return dict(runs=len(base), runs_worst=len(base) + len(ext), hours=h, hours_worst=hw, shards=shards, limit_hours=limit_hours,
+                over=hw > limit_hours, step_seconds=dict(step_seconds))
+
+def estimate_text(e: dict) -> str:
+    "The estimate in two lines (the second a refusal when the worst case is over the limit)."
+    s = (f"[altgrad-study] {e['runs']} runs without grid extensions, {e['runs_worst']} if every regime's grid is extended to the bound; "
+         f"about {e['hours']:.1f} h (worst case {e['hours_worst']:.1f} h) of wall time on {e['shards']} one-thread shards, from step times "
+         + ", ".join(f"{k} {v:.3g} s" for k, v in e["step_seconds"].items()))
+    return s + (f"\n[altgrad-study] over the {e['limit_hours']:g} h limit: cut regimes or the rate grid before seeds" if e["over"] else "")
+
+def measure_step_seconds(plan: StudyPlan, data_dir: str, steps: int = 8, fmt: str = "E4M3") -> dict:
+    "Median step seconds of each regime (on `fmt`) and of both references: `steps`-step runs in a temporary folder."
+    import tempfile
+    from altgrad.runs import load_run
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        short = dataclasses.replace(plan, steps=steps)
+        specs = [format_spec(fmt, r, plan.seeds[0], 1.0) for r in plan.rules] + [reference_spec(plan.seeds[0], p) for p in REF_PRECISIONS]
+        for sp in specs:
+            Trainer(spec_config(short, sp, tmp, data_dir), progress=False).fit()
+            out[sp.rule if sp.fmt else f"reference_{sp.rule}"] = load_run(run_dir(tmp, sp.name)).summary["step_time"]
+    return out
+
+def parse_step_seconds(text: str) -> dict:
+    "`'fp32=0.3,nearest=0.35,...'` -> `{key: seconds}`."
+    try: return {k.strip(): float(v) for k, v in (t.split("=") for t in text.split(",") if t.strip())}
+    except ValueError: raise ConfigError(f"--step-seconds {text!r}: give key=seconds pairs such as fp32=0.3,reference_bf16=0.2") from None
 
 # %% ../nbs/32_study.ipynb #32a00026
 def _parser() -> argparse.ArgumentParser:
@@ -505,7 +728,39 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wandb-mode", default="disabled")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another TrainConfig override for every run, e.g. eval_iters=20")
     p.add_argument("--dry-run", action="store_true", help="print the runs of this invocation and the estimated time; train nothing")
+    d = p.add_argument_group("the decisive protocol (issue 18; default design for --preset study)")
+    d.add_argument("--design", choices=("decisive", "legacy"), help="decisive: tuning seeds choose bracketed rates, held-out seeds measure; "
+                   "legacy: the first seed tunes a fixed grid (default: decisive for --preset study, else legacy)")
+    d.add_argument("--tuning-seeds", help="seeds that only choose the learning rate (default: 42,43,44)")
+    d.add_argument("--heldout-seeds", help="seeds of every statistic (default: 45,...,50)")
+    d.add_argument("--max-extensions", type=int, default=2, help="how often a regime's rate grid may be extended by x3 beyond an edge (default 2)")
+    d.add_argument("--sensitivity", help="label this study a sensitivity run (its answer is never the headline)")
+    d.add_argument("--estimate", action="store_true", help="print the runs and the wall time of the whole study; exit 1 over --limit-hours")
+    d.add_argument("--step-seconds", help="per-step seconds for --estimate, e.g. fp32=0.3,nearest=0.35,...,reference_fp32=0.2,reference_bf16=0.2 "
+                   "(default: measured by a short run of each regime)")
+    d.add_argument("--shards", type=int, default=2, help="parallel one-thread processes for --estimate (default 2)")
+    d.add_argument("--limit-hours", type=float, default=6.0, help="wall-time limit for --estimate (default 6)")
     return p
+
+def _decisive_cli(a, ov) -> int:
+    "The decisive design's part of `study_cli`."
+    proto = make_protocol(a.tuning_seeds, a.heldout_seeds, a.lr_mults, a.max_extensions, a.sensitivity)
+    plan = decisive_plan(a.preset, a.formats, a.rules, proto, a.steps, a.shadow, ov)
+    sh = parse_shard(a.shard) if a.shard else None
+    if a.dry_run:
+        first = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults) if not sh or name_shard(s.name, sh[1]) == sh[0]]
+        print(f"{len(first)} runs in the first tuning round" + (f" of shard {a.shard}" if sh else "") + ": " + join_names([s.name for s in first], 8)
+              + f"; then up to {proto.max_extensions} grid extensions and {len(decisive_seed_specs(plan, proto, {r: 1.0 for r in plan.rules}))} "
+              "held-out runs (use --estimate for the time)")
+        return 0
+    if a.estimate:
+        secs = parse_step_seconds(a.step_seconds) if a.step_seconds else measure_step_seconds(plan, ensure_data(a.data_dir, a.out))
+        e = decisive_estimate(plan, proto, secs, a.shards, a.limit_hours)
+        print(estimate_text(e)); return 1 if e["over"] else 0
+    try: r = run_decisive(plan, proto, a.out, sh, a.collect, a.data_dir, a.wandb_mode)
+    except KeyboardInterrupt as e: return e.exit_code if isinstance(e, Interrupted) else 130
+    if r["answer"]: print(r["answer"])
+    return 0
 
 def _dry_run(plan: StudyPlan, sh, shard_text) -> int:
     e = estimate_seconds(plan)
@@ -523,6 +778,9 @@ def study_cli(argv: list[str] | None = None) -> int:
             from altgrad.answer import report_study         # the write-up builds on this module
             print(report_study(a.out)); return 0
         ov = parse_overrides(a.set)
+        if (a.design or ("decisive" if resolve_preset(a.preset) == "study" else "legacy")) == "decisive": return _decisive_cli(a, ov)
+        if a.estimate or a.tuning_seeds or a.heldout_seeds or a.sensitivity:
+            raise ConfigError("--estimate, --tuning-seeds, --heldout-seeds and --sensitivity belong to --design decisive")
         plan = make_plan(a.preset, a.formats, a.rules, a.seeds, a.steps, a.lr_mults, a.lr_formats, a.shadow, ov)
         sh = parse_shard(a.shard) if a.shard else None
         if a.lr_choice: load_lr_choice(a.lr_choice, plan)
