@@ -14,7 +14,7 @@ from .formats import _noise23
 # %% auto #0
 __all__ = ['EXP_ROUNDINGS', 'GRID_KEYS', 'OPTIMIZERS', 'Lion', 'sr_seed', 'round_exponent', 'max_whole_shift', 'Madam',
            'OptimizerSpec', 'register_optimizer', 'get_optimizer', 'default_lr_scale', 'optimizer_weight_decay',
-           'decay_groups', 'build_optimizer']
+           'decay_groups', 'madam_grid_params', 'build_optimizer']
 
 # %% ../nbs/23_optim.ipynb #02da0abb
 EXP_ROUNDINGS = ("nearest", "stochastic")
@@ -170,6 +170,8 @@ class OptimizerSpec:
     make: Callable[..., torch.optim.Optimizer]
     lr_scale: float = 1.0         # recommended lr relative to the preset's AdamW lr (`default_lr_scale`)
     wd_divisor: float = 1.0       # its λ = AdamW's λ / wd_divisor: the same per-step shrink at lr_scale·lr
+    takes_seed: bool = False      # the trainer passes `seed=cfg.seed` (the optimizer's own random streams)
+    grid_params: Callable | None = None   # (quantized layers, cfg) -> `build_optimizer`'s grid_params, weights on the grid
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {}
 
@@ -232,8 +234,16 @@ def _madam(params, lr, weight_decay, betas, device_type, grid, **kwargs):
     base = decay_groups([p for p in params if id(p) not in special], weight_decay)
     return Madam(base + list(extra.values()), lr=lr, **kwargs)
 
+def madam_grid_params(layers, cfg) -> dict | None:
+    "Madam on exponent-only grids (E7M0) with the weights on the grid: the integer-exponent (LNS-Madam) form, whole codes."
+    out = {m.weight: dict(integer_exponent=True, exp_rounding="stochastic" if cfg.weight_update == "stochastic" else "nearest",
+                          seed=cfg.seed + 1000 * i)
+           for i, (_, m) in enumerate(layers) if m.fmt.man_bits == 0}
+    return out or None
+
 register_optimizer(OptimizerSpec("adamw", _adamw))
-register_optimizer(OptimizerSpec("madam", _madam, lr_scale=10.0, wd_divisor=10.0 * math.log(2)))
+register_optimizer(OptimizerSpec("madam", _madam, lr_scale=10.0, wd_divisor=10.0 * math.log(2), takes_seed=True,
+                                 grid_params=madam_grid_params))
 register_optimizer(OptimizerSpec("lion", _lion, lr_scale=0.3, wd_divisor=0.3))
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),

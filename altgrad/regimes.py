@@ -46,9 +46,21 @@ class UpdateRule:
 # %% ../nbs/25_regimes.ipynb #c9fd8868
 UPDATE_RULES: dict[str, UpdateRule] = {}
 
-def register_rule(rule: UpdateRule) -> UpdateRule:
-    "Add `rule` to `UPDATE_RULES` under its name and return it."
+def _settings(rule: UpdateRule) -> tuple:
+    "What `rule_of` tells apart: (master_weights, landing, optimizer, lr_scale, residual_dtype), None where it is not read."
+    on_grid = rule.master_weights == "format"
+    res = rule.residual_dtype if on_grid and LANDINGS[rule.landing].residual else None
+    return (rule.master_weights, rule.landing if on_grid else None, rule.optimizer, rule.lr_scale, res)
+
+def register_rule(rule: UpdateRule, replace: bool = False) -> UpdateRule:
+    "Add `rule` to `UPDATE_RULES` under its name and return it; a taken name needs `replace=True`, taken settings are refused."
     if not isinstance(rule, UpdateRule): raise TypeError(f"register_rule needs an UpdateRule, got {type(rule).__name__}")
+    if rule.name in UPDATE_RULES and not replace:
+        raise ValueError(f"update rule {rule.name!r} is already registered; pass replace=True to replace it")
+    twin = next((r for r in UPDATE_RULES.values() if r.name != rule.name and _settings(r) == _settings(rule)), None)
+    if twin is not None:
+        raise ValueError(f"update rule {rule.name!r} has the same settings as the registered {twin.name!r} (master_weights, "
+                         f"landing, optimizer, lr_scale, residual_dtype = {_settings(rule)}): rule_of could not tell them apart")
     UPDATE_RULES[rule.name] = rule
     return rule
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/17_trainer.ipynb #4326d032
 from __future__ import annotations
-import argparse, contextlib, importlib, json, math, os, random, signal, statistics, sys, tempfile, threading, time, traceback, warnings
+import argparse, contextlib, json, math, os, random, signal, statistics, sys, tempfile, threading, time, traceback, warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -22,7 +22,9 @@ from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state,
 from .shadow import FP32ShadowModel, rng_snapshot
 from .metrics import gradient_metrics, snapshot_params, zero_update_metrics, nonfinite_sources, DivergenceDetector
 from .diagnostics import DeadNeuronTracker
-from .optim import build_optimizer, default_lr_scale
+from .optim import build_optimizer, default_lr_scale, get_optimizer
+from . import quantized
+from .interventions import Interventions
 from .distributed import (init_distributed, device_for, destroy_distributed, all_reduce_sum, all_true,
                                  broadcast_object, all_gather_object, barrier, sigterm_as_exit)
 from .checkpoint import CorruptCheckpoint
@@ -30,10 +32,10 @@ from .tracking import NullTracker
 from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'lr_at', 'optional_module', 'load_data', 'seed_everything', 'build_model', 'RunExists', 'run_state',
-           'config_changes', 'move_to_previous', 'claim_out_dir', 'Trainer', 'decay_factors', 'lr_scale_of',
-           'grid_params', 'quantized_cosine', 'layer_census', 'eval_windows', 'window_batch', 'check_ranks_agree',
-           'Interrupted', 'catch_interrupts', 'progress_label', 'train_cli', 'bench_train']
+__all__ = ['RUN_FILES', 'lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists', 'run_state', 'config_changes',
+           'move_to_previous', 'claim_out_dir', 'Trainer', 'decay_factors', 'lr_scale_of', 'grid_params',
+           'quantized_cosine', 'layer_census', 'eval_windows', 'window_batch', 'check_ranks_agree', 'Interrupted',
+           'catch_interrupts', 'progress_label', 'train_cli', 'bench_train']
 
 # %% ../nbs/17_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -46,13 +48,6 @@ def lr_at(step: int, cfg) -> float:
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * r)) * (cfg.lr - cfg.min_lr)
 
 # %% ../nbs/17_trainer.ipynb #bb1af6b9
-def optional_module(name: str):
-    "`altgrad.<name>`, or None when that module does not exist (any other import error propagates)."
-    try: return importlib.import_module(f"altgrad.{name}")
-    except ModuleNotFoundError as e:
-        if e.name == f"altgrad.{name}": return None
-        raise
-
 def load_data(cfg: TrainConfig) -> TokenData:
     "The prepared data a model of `cfg.vocab_size` classes reads from `cfg.data_dir` (`data.data_for_vocab`; clear errors)."
     d = Path(cfg.data_dir)
@@ -79,11 +74,7 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     seed_everything(cfg.seed)
     model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                           n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias))
-    q = optional_module("quantized")
-    if q is not None: return q.quantize_model_from_config(model, cfg)
-    if cfg.fmt is not None or cfg.layer_formats:
-        raise ConfigError(f"fmt={cfg.fmt!r}, layer_formats={cfg.layer_formats!r} need altgrad.quantized, which this installation lacks; use fmt=none")
-    return model
+    return quantized.quantize_model_from_config(model, cfg)
 
 # %% ../nbs/17_trainer.ipynb #1ee11a65
 RUN_FILES = ("metrics.jsonl", "metrics.parquet", "alerts.jsonl", "alerts.parquet", "summary.json", "config.yaml",
@@ -158,14 +149,11 @@ class Trainer:
         self.amp_dtype = autocast_dtype(cfg, self.device)
         self.run_dir = Path(cfg.out_dir)
         self.data = load_data(cfg)
-        self.q = optional_module("quantized")
-        itv = optional_module("interventions") if cfg.interventions else None
-        if cfg.interventions and itv is None: raise ConfigError("interventions=true needs altgrad.interventions, which this installation lacks")
         self.model = build_model(cfg).to(self.device)
-        if self.q is not None: self.q.set_accumulation(self.model, cfg.grad_accum > 1)   # amax histories count optimizer steps
+        quantized.set_accumulation(self.model, cfg.grad_accum > 1)   # amax histories count optimizer steps
         self.ddp = None
         if self.world > 1:
-            if self.q is not None: self.q.set_distributed(self.model, self.rank, self.world)
+            quantized.set_distributed(self.model, self.rank, self.world)
             if self.rank: seed_everything(cfg.seed + 7919 * self.rank)   # dropout: each rank its own masks
             dev = torch.device(self.device)
             with warnings.catch_warnings():     # newer torch calls it deprecated but still advises it for rank-local buffers
@@ -176,13 +164,13 @@ class Trainer:
         self.fwd = torch.compile(net) if cfg.compile else net
         self.lr_scale = lr_scale_of(cfg)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.lr * self.lr_scale, cfg.weight_decay, (cfg.beta1, cfg.beta2),
-                                         self.dev_type, grid_params=grid_params(self.model, cfg, self.q),
-                                         **({"seed": cfg.seed} if cfg.optimizer == "madam" else {}))
+                                         self.dev_type, grid_params=grid_params(self.model, cfg),
+                                         **({"seed": cfg.seed} if get_optimizer(cfg.optimizer).takes_seed else {}))
         self.train_gen = torch.Generator().manual_seed(cfg.seed)   # the data order: its own stream
         self.shadow = FP32ShadowModel(self.model) if cfg.shadow else None
         self.dead = DeadNeuronTracker(cfg.dead_neuron_threshold, cfg.dead_neuron_window)
         self.divergence = DivergenceDetector(cfg.divergence_patience)
-        self.interventions = itv.Interventions(cfg) if itv else None
+        self.interventions = Interventions(cfg) if cfg.interventions else None
         self.step, self.nan_streak, self.first_nan_step, self.anomaly_path = 0, 0, None, None
         self.last_train_loss = self.last_val_loss = None
         self.run_id = self.resumed_from = None
@@ -232,31 +220,29 @@ def lr_scale_of(cfg) -> float:
     "Factor from the schedule's `lr` to the optimizer's: `cfg.lr_scale`, or the base rule's default (`optim.default_lr_scale`)."
     return cfg.lr_scale if cfg.lr_scale is not None else default_lr_scale(cfg.optimizer)
 
-def grid_params(model: nn.Module, cfg, q=None) -> dict | None:
-    "Madam on exponent-only grids (E7M0) with the weights on the grid: the integer-exponent (LNS-Madam) form, whole codes."
-    if cfg.optimizer != "madam" or q is None or cfg.master_weights != "format": return None
-    out = {m.weight: dict(integer_exponent=True, exp_rounding="stochastic" if cfg.weight_update == "stochastic" else "nearest",
-                          seed=cfg.seed + 1000 * i)
-           for i, (_, m) in enumerate(q.quantized_layers(model)) if m.fmt.man_bits == 0}
-    return out or None
+def grid_params(model: nn.Module, cfg) -> dict | None:
+    "Per-parameter optimizer options when the weights live on the grid: the registry entry's hook (`OptimizerSpec.grid_params`)."
+    hook = get_optimizer(cfg.optimizer).grid_params
+    if hook is None or cfg.master_weights != "format": return None
+    return hook(quantized.quantized_layers(model), cfg)
 
-def quantized_cosine(m: dict, model: nn.Module, q) -> dict:
+def quantized_cosine(m: dict, model: nn.Module) -> dict:
     "`grad_cos_sim/quantized_mean`: the mean shadow cosine over the 8-bit layers' weights (the headline cosine)."
-    vals = [m.get(f"grad_cos_sim/{name}.weight") for name, _ in q.quantized_layers(model)]
+    vals = [m.get(f"grad_cos_sim/{name}.weight") for name, _ in quantized.quantized_layers(model)]
     vals = [v for v in vals if v is not None]
     return {"grad_cos_sim/quantized_mean": sum(vals) / len(vals)} if vals else {}
 
-def layer_census(model: nn.Module, q=None) -> dict:
+def layer_census(model: nn.Module) -> dict:
     "How many linear layers the model has (a tied LM head excluded: it shares the embedding) and which are 8-bit."
-    tied = q._tied_linears(model) if q is not None else set()
+    tied = quantized._tied_linears(model)
     linears = [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear) and n not in tied]
-    names = [n for n, _ in q.quantized_layers(model)] if q is not None else []
+    names = [n for n, _ in quantized.quantized_layers(model)]
     return dict(linear_layers=len(linears), quantized_layers=len(names), quantized_layer_names=names)
 
 @patch
 def train_step(self: Trainer) -> dict:
     "Run one optimizer step (or skip it when non-finite); returns the step's metrics."
-    cfg, model, q = self.cfg, self.model, self.q
+    cfg, model = self.cfg, self.model
     step = self.step + 1
     t0 = time.perf_counter()
     lr = lr_at(step, cfg) * self.lr_scale
@@ -278,13 +264,13 @@ def train_step(self: Trainer) -> dict:
         loss_sum = all_reduce_sum(loss_sum)                       # the global batch's loss, the same on every rank
         if self.shadow is not None: self.shadow.average_grads()
     loss = loss_sum / (cfg.grad_accum * self.world)
-    if q is not None: q.commit_amax(model)                        # (ranks: one max all-reduce of all amaxes)
+    quantized.commit_amax(model)                                  # (ranks: one max all-reduce of all amaxes)
     if self.fault is not None: self.fault(step, model)
 
     m = gradient_metrics(model.named_parameters(), dead=self.dead)
     if self.shadow is not None:
         m.update(self.shadow.cosine(model))
-        if q is not None: m.update(quantized_cosine(m, model, q))
+        m.update(quantized_cosine(m, model))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     finite = torch.stack([loss.isfinite().all()] + [g.isfinite().all() for g in grads]).all().item()
     if self.world > 1: finite = all_true(finite, self.device)    # one rank's NaN skips the step everywhere
@@ -292,9 +278,9 @@ def train_step(self: Trainer) -> dict:
     if finite:
         before = snapshot_params(model)
         if cfg.grad_clip > 0: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        if q is not None: q.quant_pre_step(model, before)
+        quantized.quant_pre_step(model, before)
         self.optimizer.step()
-        if q is not None: m.update(q.quant_post_step(model, decay_factors(self.optimizer), getattr(self.optimizer, "intended", None)) or {})
+        m.update(quantized.quant_post_step(model, decay_factors(self.optimizer), getattr(self.optimizer, "intended", None)) or {})
         m.update(zero_update_metrics(before, model))
         self.nan_streak = 0
     else:
@@ -303,7 +289,7 @@ def train_step(self: Trainer) -> dict:
         m.update({"nan/loss": float(bool(src["loss"])), "nan/grads": len(src["grads"]), "nan/streak": self.nan_streak,
                   "nan/source": "loss" if src["loss"] else (src["grads"][-1] if src["grads"] else "unknown")})
     self.optimizer.zero_grad(set_to_none=True)
-    if q is not None: m.update(q.quant_metrics(model))
+    m.update(quantized.quant_metrics(model))
     m.update({"train/loss": loss_v, "train/lr": lr, "train/tokens": step * self.tokens_per_step,
               "train/skipped": float(not finite)})
     if math.isfinite(loss_v): m["divergence"] = float(self.divergence.update(loss_v))
@@ -398,8 +384,7 @@ def state_dict(self: Trainer) -> dict:
 @patch
 def _pending_state(self: Trainer) -> dict:
     "8-bit models: the amaxes recorded but not yet pushed into their histories (`quantized.pending_amax`)."
-    if self.q is None: return {}
-    return dict(pending_amax=self.q.pending_amax(self.model))
+    return dict(pending_amax=quantized.pending_amax(self.model))
 
 @patch
 def _rank_states(self: Trainer) -> dict:
@@ -421,9 +406,8 @@ def load_state_dict(self: Trainer, st: dict):
     self.nan_streak, self.first_nan_step = st["nan"]["streak"], st["nan"]["first_step"]
     self.anomaly_path = Path(st["nan"]["anomaly"]) if st["nan"].get("anomaly") else None
     self.last_train_loss, self.last_val_loss = st.get("last_train_loss"), st.get("last_val_loss")
-    if self.q is not None:                                              # (absent in older checkpoints: nothing pending)
-        ranks = st.get("pending_amax_ranks") if self.world > 1 else None
-        self.q.load_pending_amax(self.model, ranks[self.rank] if ranks is not None else st.get("pending_amax"))
+    ranks = st.get("pending_amax_ranks") if self.world > 1 else None   # (absent in older checkpoints: nothing pending)
+    quantized.load_pending_amax(self.model, ranks[self.rank] if ranks is not None else st.get("pending_amax"))
 
 @patch
 def save_checkpoint(self: Trainer, val_loss: float | None = None, tag: str | None = None, extra: dict | None = None) -> Path:
@@ -465,7 +449,7 @@ def resume(self: Trainer) -> Path | None:
     Under `torchrun` rank 0 chooses the file and every rank loads that one (`check_ranks_agree`)."""
     st, path = self._load_for_resume()
     if st is None:
-        warnings.warn(f"resume=true but {self.ckpt.dir} holds no readable checkpoint; starting from step 0"); return None
+        notice(f"resume=true but {self.ckpt.dir} holds no readable checkpoint; starting from step 0"); return None
     saved, now = {RENAMED_KEYS.get(k, k): v for k, v in st["config"].items()}, self.cfg.to_dict()   # (older checkpoints: old key names)
     if st.get("world_size", 1) != self.world:
         raise ConfigError(f"cannot resume from {path}: it was written by a run on {st.get('world_size', 1)} rank(s), this one has "
@@ -475,7 +459,7 @@ def resume(self: Trainer) -> Path | None:
         raise ConfigError(f"cannot resume from {path}: " + ", ".join(f"{k}={saved.get(k)!r} there, {now[k]!r} now" for k in fixed)
                           + "; use the checkpoint's values or a fresh out_dir")
     changed = [k for k in now if k != "resume" and k not in _RESUME_FIXED and saved.get(k, now[k]) != now[k]]
-    if changed: warnings.warn(f"resuming {path.name} with changed settings: " + ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed))
+    if changed: notice(f"resuming {path.name} with changed settings: " + ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed))
     self.load_state_dict(st)
     self.resumed_from = path
     return path
@@ -506,8 +490,8 @@ def _on_nonfinite(self: Trainer) -> str | None:
 @patch
 def _save_histograms(self: Trainer, step: int):
     "Add the 8-bit layers' 256-code histograms at `step` to `histograms.json` (no-op without quantized layers)."
-    if self.q is None or not hasattr(self.q, "quant_histograms") or not self.main: return
-    h = self.q.quant_histograms(self.model)
+    if not self.main: return
+    h = quantized.quant_histograms(self.model)
     if not h: return
     p = self.run_dir / "histograms.json"
     data = json.loads(p.read_text()) if p.exists() else {}
@@ -560,7 +544,7 @@ def _summary(self: Trainer, reason, start_step: int, seconds: float, perf: list)
         device=self.device, autocast=str(self.amp_dtype).replace("torch.", "") if self.amp_dtype else None,
         world_size=self.world, global_batch=self.global_batch,
         fmt=cfg.fmt, num_params=self.model.num_params() if hasattr(self.model, "num_params") else None,
-        **layer_census(self.model, self.q),
+        **layer_census(self.model),
         vocab=vocab_info(self.data.dir),                    # the folder actually read: name, size, coverage
         compute_split={k: v for k, v in self.model.compute_split().items() if k != "layers_8bit"},
         run_dir=str(self.run_dir), run_id=self.run_id,
