@@ -14,9 +14,9 @@ from .runs import (Run, load_run, write_synthetic_run, SYN_LAYERS, run_finished,
                           find_sweeps, find_matrices, is_writeup, reuse_marker, load_runs, layer_formats_of)
 
 # %% auto #0
-__all__ = ['SMOOTH_WINDOW', 'HEATMAP_PERCENTILES', 'AVG_STEPS', 'FIG_DPI', 'LAYER_GROUPS', 'MECHANISM_COLUMNS',
-           'MECHANISM_LABELS', 'REPORT_INPUTS', 'TABLE_HEAD', 'SWEEP_INPUTS', 'short_layer', 'smooth', 'legend',
-           'plot_loss', 'quantized_layer_names', 'quantized_cos_series', 'plot_cosine', 'layer_matrix', 'colour_range',
+__all__ = ['SMOOTH_WINDOW', 'HEATMAP_PERCENTILE', 'AVG_STEPS', 'FIG_DPI', 'LAYER_GROUPS', 'MECHANISM_COLUMNS', 'MECHANISM_LABELS',
+           'REPORT_INPUTS', 'TABLE_HEAD', 'SWEEP_INPUTS', 'short_layer', 'smooth', 'legend', 'plot_loss',
+           'quantized_layer_names', 'quantized_cos_series', 'plot_cosine', 'layer_matrix', 'colour_range',
            'plot_heatmap', 'hotspots', 'pick_layers', 'plot_histograms', 'first_nan_step', 'nan_origin',
            'failure_analysis', 'mean_quantized_cos', 'divergence_steps', 'verdict', 'train_loss_avg', 'progress_lost',
            'layer_counts', 'run_summary', 'fmt_num', 'precision_note', 'layer_group', 'has_mechanism', 'layer_groups',
@@ -124,30 +124,34 @@ def layer_matrix(run: Run, prefix: str) -> tuple[list[str], np.ndarray, np.ndarr
             if isinstance(v, (int, float)): m[i, j] = v
     return [_layer_of(k, prefix) for k in keys], steps, m
 
-HEATMAP_PERCENTILES = (1, 99)   # the colour scale of a heat map spans these percentiles of its values
+HEATMAP_PERCENTILE = 99   # the colour scale of a heat map (a rate) runs from 0 to this percentile of its values
 
-def colour_range(m, pct=HEATMAP_PERCENTILES) -> tuple[float, float]:
-    "(low, high) of the colour scale: the `pct` percentiles of the finite values of `m`, widened when they coincide."
+def colour_range(m, pct=HEATMAP_PERCENTILE) -> tuple[float, float, str]:
+    """(0, high, what high is) of the colour scale of a rate matrix `m`: high is the `pct` percentile of its finite values,
+    the maximum when that percentile is 0 (sparse: a few nonzero cells), 1 when every value is 0 (or none is finite)."""
     v = np.asarray(m, dtype=float); v = v[np.isfinite(v)]
-    if not len(v): return 0.0, 1.0
-    lo, hi = (float(x) for x in np.percentile(v, pct))
-    if hi <= lo: lo, hi = (lo - 0.5, lo + 0.5) if lo == 0 else (lo - 0.01 * abs(lo), hi + 0.01 * abs(hi))
-    return lo, hi
+    if not len(v) or v.max() <= 0: return 0.0, 1.0, "every value is 0"
+    hi = float(np.percentile(v, pct))
+    if hi > 0: return 0.0, hi, f"{pct}th percentile of the values"
+    return 0.0, float(v.max()), f"maximum (the {pct}th percentile is 0)"
 
-def plot_heatmap(run: Run, prefix: str, title: str, pct=HEATMAP_PERCENTILES):
-    "Layers × steps heat map of the metrics under `prefix` (e.g. `overflow/`), coloured over the `pct` percentiles of its values."
+def plot_heatmap(run: Run, prefix: str, title: str, pct=HEATMAP_PERCENTILE):
+    """Layers × steps heat map of the rates under `prefix` (e.g. `overflow/`), coloured from 0 to their `pct` percentile
+    (`colour_range`); when every value is 0 the title says so and nothing is drawn."""
     names, steps, m = layer_matrix(run, prefix)
     if not names: return None
-    lo, hi = colour_range(m, pct)
+    lo, hi, what = colour_range(m, pct)
     fig, ax = plt.subplots(figsize=(9, 0.22 * len(names) + 1.6))
+    ax.set_yticks(range(len(names)), [short_layer(n) for n in names], fontsize=6)
+    ax.set(xlabel="step", xlim=(steps[0] - 0.5, steps[-1] + 0.5), ylim=(len(names) - 0.5, -0.5))
+    if what == "every value is 0":
+        ax.set_title(f"{title}: no {prefix.strip('/')} at any step (every value is 0)"); fig.tight_layout(); return fig
     im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="magma", vmin=lo, vmax=hi,
                    extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5))
-    ax.set_yticks(range(len(names)), [short_layer(n) for n in names], fontsize=6)
-    v = m[np.isfinite(m)]
-    ext = {(False, False): "neither", (True, False): "min", (False, True): "max", (True, True): "both"}[(bool((v < lo).any()), bool((v > hi).any()))]
-    cb = fig.colorbar(im, ax=ax, fraction=0.03, extend=ext)
-    cb.set_label(f"colour range: {pct[0]}st–{pct[1]}th percentile\nof the values ({lo:.3g} to {hi:.3g})", fontsize=7)
-    ax.set(xlabel="step", title=title); fig.tight_layout(); return fig
+    above = bool((m[np.isfinite(m)] > hi).any())
+    cb = fig.colorbar(im, ax=ax, fraction=0.03, extend="max" if above else "neither")
+    cb.set_label(f"colour range 0 to {hi:.3g}\n(the {what})", fontsize=7)
+    ax.set_title(title); fig.tight_layout(); return fig
 
 def hotspots(run: Run, prefix: str, k: int = 3) -> list[tuple[str, float, float, int]]:
     "The `k` rows of `layer_matrix(run, prefix)` with the highest mean: `(name, mean, max, step of the max)`."
@@ -740,10 +744,13 @@ def plot_sweep(runs: dict, ref: Run | None = None, tolerance: float = 0.10):
                     va="bottom" if np.isnan(di) or di >= 0 else "top", fontsize=7, xytext=(0, 2 if np.isnan(di) or di >= 0 else -2),
                     textcoords="offset points")
     a2.axhline(0, color="k", lw=0.8)
-    if ref_v is not None: a2.axhline(tolerance * ref_v, color="k", ls=":", lw=1, label=f"PASS bound ({1 + tolerance:.2f}× the reference)")
-    fin = d[np.isfinite(d)]
-    hi = max([tolerance * ref_v if ref_v is not None else 0.0, *fin, 0.0]); lo = min([*fin, 0.0])
-    pad = 0.12 * (hi - lo or 1.0); a2.set_ylim(lo - pad, hi + pad)
+    fin = d[np.isfinite(d)]; bound = tolerance * ref_v if ref_v is not None else None
+    hi, lo = max([*fin, 0.0]), min([*fin, 0.0])
+    pad = 0.15 * (hi - lo or abs(bound or 1.0)); a2.set_ylim(lo - pad, hi + pad)   # fitted to the bars
+    if bound is not None:
+        what = f"PASS bound: +{bound:.3g} nats ({1 + tolerance:.2f}× the reference)"
+        if lo - pad <= bound <= hi + pad: a2.axhline(bound, color="k", ls=":", lw=1, label=what)
+        else: a2.plot([], [], " ", label=what + ", off this axis")   # stated, not drawn: drawing it would flatten the bars
     a2.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
     a2.set(ylabel="final val loss − reference (nats)", title="final validation loss relative to the reference"); legend(a2, fontsize=7)
     fig.tight_layout(); return fig

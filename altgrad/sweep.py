@@ -16,13 +16,13 @@ from .runs import Run, load_run, load_runs, read_summary, REUSED_FILE, reuse_mar
 from .report import run_summary, write_report, write_summary, fmt_num, short_layer, model_layers, nan_origin
 
 # %% auto #0
-__all__ = ['SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'IGNORED_KEYS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'FINISHED',
-           'NOTEBOOK_OVERRIDE_PARAMS', 'GRID_RULES', 'resolve_preset', 'run_name', 'reference_overrides',
-           'reference_dir', 'ensure_data', 'train', 'saved_config', 'data_identity', 'config_diff', 'config_reasons',
-           'check_run', 'RunConflict', 'run_plan', 'reference_run', 'format_config', 'grid_key', 'set_aside',
-           'reuse_note', 'mark_reused', 'RetryRefused', 'hot_layers', 'retry_layout', 'find_notebook',
+__all__ = ['SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'IGNORED_KEYS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'FINISHED', 'WRITEUP_FILES',
+           'NOTEBOOK_OVERRIDE_PARAMS', 'resolve_preset', 'run_name', 'reference_overrides', 'reference_dir',
+           'ensure_data', 'train', 'saved_config', 'data_identity', 'config_diff', 'config_reasons', 'check_run',
+           'RunConflict', 'run_plan', 'job_plan', 'reference_run', 'format_config', 'grid_key', 'set_aside',
+           'reuse_note', 'mark_reused', 'RetryRefused', 'hot_layers', 'retry_layout', 'find_notebook', 'portable',
            'notebook_params', 'run_notebook', 'check_overrides', 'settings_note', 'run_sweep', 'conflict_message',
-           'update_rule_overrides', 'matrix_note', 'sweep_cli']
+           'grid_rules', 'update_rule_overrides', 'matrix_note', 'sweep_cli']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
 SEED_ORDER = ["E5M2", "E3M4", "E1M6", "E7M0", "E0M7", "E4M3"]
@@ -169,6 +169,17 @@ def run_plan(run_dir, cfg, finished=FINISHED) -> tuple[str, Run | None, list[str
     run, why = check_run(run_dir, cfg, finished)
     return ("reuse", run, []) if run is not None else ("train", None, why)
 
+WRITEUP_FILES = ("report.md", "reused.json")   # a write-up in out/<name>/: a report, or a reuse page (`mark_reused`)
+
+def job_plan(dest, cfg, finished=FINISHED) -> tuple[str, Run | None, list[str]]:
+    """`run_plan` of the main job's run `cfg.out_dir`, where training over a write-up already in `dest` (= out/<name>:
+    `report.md` or a reuse page's `reused.json`) with no finished run of this config to reuse is a 'conflict' too: a
+    committed write-up is never replaced unasked."""
+    action, run, why = run_plan(cfg.out_dir, cfg, finished)
+    held = [n for n in WRITEUP_FILES if (Path(dest) / n).exists()]
+    if action == "train" and held: return "conflict", None, [f"{' and '.join(held)} but no finished run of this config"] + why
+    return action, run, why
+
 # %% ../nbs/31_sweep.ipynb #a8977c64
 def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, data_dir: str | None = None,
                   wandb_mode: str = "auto", force: bool = False, **overrides) -> Path:
@@ -241,9 +252,11 @@ def mark_reused(dest, name: str, source: str, fmt: str, source_fmt: str) -> dict
     info = dict(reused_from=source, format=get_format(fmt).name, source_format=get_format(source_fmt).name,
                 power_of_two=k, note=reuse_note(name, source, k))
     (dest / REUSED_FILE).write_text(json.dumps(info, indent=1) + "\n")
+    where = (f"The run and its write-up are in [../{source}](../{source}/report.md)" if (dest.parent / source / "report.md").exists()
+             else f"The run is in [../{source}/run](../{source}/run)")   # link only what exists: sweep cells keep their runs only
     (dest / "report.md").write_text(f"# {name}: run reused\n\n{info['note']}: the grid of {info['format']} is 2^{k} times "
                                     f"the grid of {info['source_format']}, so under scaling both round every tensor alike "
-                                    f"and train identically. The run and its write-up are in [../{source}](../{source}/report.md).\n")
+                                    f"and train identically. {where}.\n")
     return info
 
 # %% ../nbs/31_sweep.ipynb #1e4bb494
@@ -303,17 +316,19 @@ def find_notebook(name: str = "run_format.ipynb") -> Path:
         if c.exists(): return c
     raise FileNotFoundError(f"cannot find nbs/{name}; run altgrad-sweep from the altgrad repository root")
 
-def _portable(path) -> str:
+def portable(path) -> str:
     "`path` relative to the working directory when inside it (run folders and write-ups then hold no machine paths)."
     p, cwd = Path(path).resolve(), Path.cwd().resolve()
     return str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p)
+
+_portable = portable   # the old private name, while altgrad.study still imports it
 
 def notebook_params(fmt: str, out, preset: str = "auto", steps: int | None = None, seed: int = 42, layer_formats=None, tag: str = "",
                     interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
                     data_dir: str = "", wandb_mode: str = "auto", overrides: dict | None = None) -> dict:
     "The papermill parameters of one format run (`overrides` split into named update-rule keys and a JSON `overrides`; `steps` None: the preset's)."
     params = dict(fmt=fmt, preset=preset, seed=seed, interventions=interventions, master_weights=master_weights,
-                  out_dir=_portable(out), stop_on_nan=stop_on_nan, layer_formats=json.dumps(layer_formats or []), tag=tag,
+                  out_dir=portable(out), stop_on_nan=stop_on_nan, layer_formats=json.dumps(layer_formats or []), tag=tag,
                   data_dir=data_dir, wandb_mode=wandb_mode)
     if steps is not None: params["steps"] = steps
     ov = dict(overrides or {})
@@ -386,8 +401,10 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
     common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode,
                   master_weights=master_weights, stop_on_nan=not interventions)
     for fmt in ([] if force else formats):                  # refuse before anything trains
-        action, _, why = run_plan(out / run_name(fmt) / "run", format_config(fmt, out, **common, **overrides))
-        if action == "conflict": raise RunConflict(conflict_message(run_name(fmt), out / run_name(fmt) / "run", why))
+        dest = out / run_name(fmt)                          # (a reuse page alone is the sweep's own: marked again or set aside)
+        action, _, why = job_plan(dest, format_config(fmt, out, **common, **overrides))
+        if action == "conflict" and not ((dest / REUSED_FILE).exists() and not (dest / "run").exists()):
+            raise RunConflict(conflict_message(run_name(fmt), dest, why))
     ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode, force=force, **overrides)
     ref_run = load_run(ref)
     from altgrad.data import unigram_baseline
@@ -414,7 +431,8 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
                 if action == "resume": print(f"[altgrad-sweep] {name}: resuming the interrupted run in {dest / 'run'}", flush=True)
                 elif dest.exists() and not force: print(f"[altgrad-sweep] {name}: not reusing {dest}: {'; '.join(why)}", flush=True)
                 print(f"[altgrad-sweep] {name} ({time.time() - t0:.0f} s)", flush=True)
-                _clear(dest, (REUSED_FILE,))
+                if (dest / REUSED_FILE).exists() and not force:
+                    print(f"[altgrad-sweep] {name}: its reuse page is kept whole in {set_aside(dest)}", flush=True)
                 run_notebook(fmt, out, layer_formats=layout, tag=tag, overrides=overrides, force=force, **common)
                 run, why = check_run(dest / "run", cfg)
                 if run is None: raise RuntimeError(f"{name}: the experiment notebook did not leave the requested run in {dest / 'run'}: "
@@ -442,13 +460,15 @@ def conflict_message(name: str, run_dir, why: list[str]) -> str:
     return (f"{name}: {run_dir} holds a run of another config ({'; '.join(why[:3])}{' ...' if len(why) > 3 else ''}): "
             "refusing to replace it; pass --force to train it again in its place, or use another --out")
 
-GRID_RULES = ("nearest", "stochastic", "kahan", "madam", "lion")   # `--update-rules all`: registry names (`altgrad.regimes`)
+def grid_rules() -> list[str]:
+    "What `--update-rules all` means: every registered regime of `altgrad.regimes` with the weights on the grid."
+    return [n for n, r in UPDATE_RULES.items() if r.master_weights == "format"]
 
 def update_rule_overrides(rules: str, overrides: dict) -> dict:
-    """`{regime: overrides}` for `--update-rules` ('all': `GRID_RULES`, or comma-separated names of the weights-on-grid
+    """`{regime: overrides}` for `--update-rules` ('all': `grid_rules()`, or comma-separated names of the weights-on-grid
     regimes of `altgrad.regimes`) on top of `overrides` (each regime's keys but `master_weights`, which the sweep sets)."""
-    valid = [n for n, r in UPDATE_RULES.items() if r.master_weights == "format"]
-    names = list(GRID_RULES) if rules.strip() == "all" else [r.strip() for r in rules.split(",") if r.strip()]
+    valid = grid_rules()
+    names = valid if rules.strip() == "all" else [r.strip() for r in rules.split(",") if r.strip()]
     bad = [r for r in names if r not in valid]
     if bad or not names: raise ConfigError(f"unknown update rule(s) {', '.join(bad) or '(none)'}; valid: {', '.join(valid)} or all")
     per = {n: {k: v for k, v in get_rule(n).overrides().items() if k != "master_weights"} for n in names}
@@ -482,7 +502,7 @@ def sweep_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizer", help="base optimizer of every run (TrainConfig.optimizer, e.g. adamw, madam, lion)")
     p.add_argument("--weight-update", help="how w+u lands on the grid with --master-weights format (e.g. nearest, stochastic, kahan)")
     p.add_argument("--update-rules", metavar="RULES", help="with --master-weights format: one sweep per update rule "
-                   f"(weights-on-grid regimes of altgrad.regimes, comma-separated, or all = {','.join(GRID_RULES)}) into DIR/<rule>, "
+                   f"(weights-on-grid regimes of altgrad.regimes, comma-separated; all = every registered one: {', '.join(grid_rules())}) into DIR/<rule>, "
                    "then the table DIR/summary.md")
     p.add_argument("--rounding", help="rounding of the GEMM operands W, A, G (nearest, stochastic)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

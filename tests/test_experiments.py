@@ -133,6 +133,7 @@ def test_sweep_equivalent_formats_train_once(tmp_path, small_data):
     assert "E0M7: same grid as E1M6 up to 2^-1" in r.stdout and "[altgrad-sweep] E0M7 (" not in r.stdout, r.stdout[-2000:]
     assert sorted(p.name for p in (tmp_path / "E0M7").iterdir()) == ["report.md", "reused.json"]
     assert json.loads((tmp_path / "E0M7" / "reused.json").read_text())["reused_from"] == "E1M6"
+    assert "(../E1M6/report.md)" in (tmp_path / "E0M7" / "report.md").read_text()      # the source's write-up exists: linked
     md = (tmp_path / "summary.md").read_text()
     assert "| [E1M6](E1M6/report.md) | E1M6 | uniform |" in md and "| [E0M7](E1M6/report.md) (= E1M6 run) | E0M7 | uniform |" in md
     assert "- E0M7: same grid as E1M6 up to 2^-1 (E0M7 = 2^-1 × E1M6); run reused" in md
@@ -140,6 +141,7 @@ def test_sweep_equivalent_formats_train_once(tmp_path, small_data):
     r2 = sweep(tmp_path, small_data, "--formats", "E0M7,E1M6", steps=6)
     assert r2.returncode == 0 and "E1M6: same grid as E0M7 up to 2^1" in r2.stdout, r2.stdout[-2000:] + r2.stderr[-2000:]
     assert (tmp_path / "E0M7" / "run").is_dir() and not (tmp_path / "E0M7" / "reused.json").exists()
+    assert len(list((tmp_path / "E0M7" / "_previous").glob("*/reused.json"))) == 1           # the old reuse page: set aside whole
     assert (tmp_path / "E1M6" / "reused.json").exists() and not (tmp_path / "E1M6" / "run").exists()
 
 

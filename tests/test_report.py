@@ -55,7 +55,7 @@ def test_cli_regenerates_writeups_byte_identical(tmp_path):
     assert not list(sw.rglob("metrics.jsonl"))
     for n in ("E7M0", "E5M2"):
         shutil.rmtree(sw / n / "figures")
-        (sw / n / "report.md").unlink()
+        (sw / n / "report.md").write_text("stale\n")   # a write-up (report.md present; without one a cell holds its run only)
     r = _cli(sw, "--no-summary", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert _files(sw) == before
@@ -177,3 +177,30 @@ def test_lean_run_folder_regenerates(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     md = (sw / "E5M2" / "report.md").read_text()
     assert "## Code histograms\n\nNot available for this run" in md and "Verdict: " in md
+
+
+def _committed_md() -> list[Path]:
+    "Every tracked markdown file under outputs/ still in the working tree."
+    out = subprocess.run(["git", "ls-files", "outputs"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\n")
+    return [ROOT / p for p in out if p.endswith(".md") and (ROOT / p).exists()]
+
+
+def _relative_targets(md: Path) -> list[str]:
+    "The relative link and image targets `](target)` of `md` (no URLs, no in-page anchors; fragments dropped)."
+    import re
+    targets = re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", md.read_text())
+    return [t.split("#")[0] for t in targets if not re.match(r"^[a-z][a-z0-9+.-]*:", t) and not t.startswith("#")]
+
+
+def test_relative_targets_parsed(tmp_path):
+    md = tmp_path / "x.md"
+    md.write_text("[a](b/report.md) ![f](figures/x.png \"t\") [w](https://x.org/y) [s](#sec) [r](../E1M6/run#top)\n")
+    assert _relative_targets(md) == ["b/report.md", "figures/x.png", "../E1M6/run"]
+
+
+def test_committed_writeups_have_no_dangling_links():
+    "Every relative link or image in a committed outputs/**/*.md points at a file or folder that exists."
+    mds = _committed_md()
+    if not mds: pytest.skip("no committed outputs/ in this checkout")
+    dangling = [f"{md.relative_to(ROOT)} -> {t}" for md in mds for t in _relative_targets(md) if not (md.parent / t).exists()]
+    assert not dangling, "dangling links:\n" + "\n".join(dangling)
