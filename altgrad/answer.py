@@ -18,7 +18,8 @@ from .stats import (finite, mean_of, mean_ci, paired_benefit, recovered_fraction
 from .law import law_text
 from .study import (CONTROL, UPPER, REF_PRECISIONS, STUDY_RULES, SEED_EXPECTATIONS, INPUTS_FILE, StudyPlan, RunSpec,
                            lr_specs, seed_specs, cell_specs, reference_spec, format_spec, run_dir, trivial_choice, make_plan,
-                           mult_label, lr_scale_for, resolve_choice, model_inputs, json_safe, join_names, regenerate_command)
+                           mult_label, lr_scale_for, resolve_choice, model_inputs, json_safe, join_names, regenerate_command,
+                           Protocol, bracket_grids, decisive_lr_specs, decisive_seed_specs, decisive_choice, decisive_command)
 from .tracking import METRICS_COMPACT
 
 # %% auto #0
@@ -698,7 +699,6 @@ def _losses(recs: dict, specs) -> dict:
 
 def _decisive_specs(plan: StudyPlan, proto, grids: dict, choice: dict | None) -> tuple[list, list]:
     "(tuning specs of the grids, held-out specs of the choice or [])."
-    from altgrad.study import decisive_lr_specs, decisive_seed_specs
     return decisive_lr_specs(plan, proto, grids), (decisive_seed_specs(plan, proto, choice["mults"]) if choice else [])
 
 def format_pairs(plan: StudyPlan, L: dict, conf: float = 0.95) -> dict:
@@ -713,7 +713,6 @@ def format_pairs(plan: StudyPlan, L: dict, conf: float = 0.95) -> dict:
 
 def law_points(plan: StudyPlan, proto, recs: dict, grids: dict) -> dict:
     "The law's points from the tuning runs: per quantity (`fp32`: the gap, each grid rule: its benefit), one point per format × multiplier."
-    from altgrad.study import format_spec
     pts = {r: [] for r in plan.rules if r != CONTROL}
     for f in plan.formats:
         for m in grids[CONTROL]["mults"]:
@@ -1004,7 +1003,6 @@ def write_decisive_answer(out, st: dict, inputs: dict) -> Path:
 
 def report_decisive(out, inputs: dict, log=print, runs: dict | None = None) -> Path:
     "Rewrite a decisive study's `answer.md` and `study.json` from its run folders and `study_inputs.json` alone."
-    from altgrad.study import Protocol, bracket_grids, decisive_lr_specs, decisive_seed_specs, decisive_choice
     out, cache, loaded = Path(out), dict(runs or {}), {}
     plan, proto = StudyPlan.from_dict(inputs["plan"]), Protocol.from_dict(inputs["protocol"])
     inputs = {**model_inputs(plan), **inputs}
@@ -1027,7 +1025,6 @@ def report_decisive(out, inputs: dict, log=print, runs: dict | None = None) -> P
 # %% ../nbs/35_answer.ipynb #35h82f78
 def fake_decisive_study(out, plan: StudyPlan, proto, loss, stall, unigram: float = 6.0, skip=lambda name: False) -> Path:
     "Write a decisive study's `study_inputs.json` and every run folder its protocol reaches (in rounds, as the grids grow)."
-    from altgrad.study import bracket_grids, decisive_lr_specs, decisive_seed_specs, decisive_choice, decisive_command
     out = Path(out); losses = {}
     def write(sp):
         if skip(sp.name): return

@@ -13,8 +13,8 @@ from .formats import _noise23
 
 # %% auto #0
 __all__ = ['EXP_ROUNDINGS', 'GRID_KEYS', 'OPTIMIZERS', 'Lion', 'sr_seed', 'round_exponent', 'max_whole_shift', 'Madam',
-           'OptimizerSpec', 'register_optimizer', 'get_optimizer', 'default_lr_scale', 'optimizer_weight_decay',
-           'decay_groups', 'madam_grid_params', 'build_optimizer']
+           'decoupled_shrink', 'multiplicative_shrink', 'OptimizerSpec', 'register_optimizer', 'get_optimizer',
+           'default_lr_scale', 'optimizer_weight_decay', 'decay_groups', 'madam_grid_params', 'build_optimizer']
 
 # %% ../nbs/23_optim.ipynb #02da0abb
 EXP_ROUNDINGS = ("nearest", "stochastic")
@@ -163,6 +163,14 @@ class Madam(torch.optim.Optimizer):
 # %% ../nbs/23_optim.ipynb #ba5090f1
 GRID_KEYS = ("integer_exponent", "exp_rounding", "exp_lr_scale", "seed")
 
+def decoupled_shrink(lr: float, wd: float) -> float:
+    "AdamW's (and Lion's) decoupled decay: one step shrinks w to (1 - lr·λ) w."
+    return lr * wd
+
+def multiplicative_shrink(lr: float, wd: float) -> float:
+    "Madam's decay in log space: one step multiplies |w| by 2^-(lr·λ), i.e. shrinks w to (1 - c) w with c = 1 - 2^-(lr·λ)."
+    return 1.0 - 2.0 ** (-lr * wd)
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     "A base rule in `OPTIMIZERS`: `make(params, lr, weight_decay, betas, device_type, grid, **kwargs)` builds it."
@@ -172,6 +180,7 @@ class OptimizerSpec:
     wd_divisor: float = 1.0       # its λ = AdamW's λ / wd_divisor: the same per-step shrink at lr_scale·lr
     takes_seed: bool = False      # the trainer passes `seed=cfg.seed` (the optimizer's own random streams)
     grid_params: Callable | None = None   # (quantized layers, cfg) -> `build_optimizer`'s grid_params, weights on the grid
+    decay_shrink: Callable[[float, float], float] = decoupled_shrink   # (group lr, group λ) -> c: one step's decay gives (1 - c) w
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {}
 
@@ -243,7 +252,7 @@ def madam_grid_params(layers, cfg) -> dict | None:
 
 register_optimizer(OptimizerSpec("adamw", _adamw))
 register_optimizer(OptimizerSpec("madam", _madam, lr_scale=10.0, wd_divisor=10.0 * math.log(2), takes_seed=True,
-                                 grid_params=madam_grid_params))
+                                 grid_params=madam_grid_params, decay_shrink=multiplicative_shrink))
 register_optimizer(OptimizerSpec("lion", _lion, lr_scale=0.3, wd_divisor=0.3))
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),

@@ -4,12 +4,12 @@
 
 # %% ../nbs/32_study.ipynb #32a00002
 from __future__ import annotations
-import argparse, dataclasses, json, math, shlex, shutil, sys
+import dataclasses, json, math, shlex, shutil, sys
 from dataclasses import dataclass, field, asdict
 from fractions import Fraction
 from pathlib import Path
 import numpy as np
-from .config import load_config, ConfigError, check_keys, parse_overrides, PRESETS
+from .config import load_config, ConfigError, check_keys, PRESETS
 from .formats import get_format, grid_equivalent, FORMAT_REGISTRY
 from .optim import default_lr_scale
 from .regimes import get_rule, UPDATE_RULES
@@ -17,7 +17,7 @@ from .runs import final_loss
 from .stats import finite
 from .tracking import compact_metrics, metrics_file, METRICS_COMPACT, METRICS_JSONL
 from .trainer import Interrupted, Trainer, run_state
-from .sweep import _portable, check_run, config_diff, ensure_data, resolve_preset, saved_config
+from .sweep import portable, check_run, config_diff, resolve_preset, saved_config
 
 # %% auto #0
 __all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER', 'REF_PRECISIONS', 'SEED_EXPECTATIONS',
@@ -27,11 +27,11 @@ __all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER
            'reference_spec', 'format_spec', 'lr_specs', 'seed_specs', 'cell_specs', 'parse_shard', 'shard_specs',
            'trivial_choice', 'run_dir', 'spec_config', 'resumable', 'finalize_run', 'train_spec', 'execute',
            'collect_runs', 'choose_lr', 'lr_key', 'load_lr_choice', 'json_safe', 'write_lr_choice', 'resolve_choice',
-           'join_names', 'regenerate_command', 'model_inputs', 'write_inputs', 'run_study', 'Protocol', 'make_protocol',
+           'join_names', 'regenerate_command', 'model_inputs', 'write_inputs', 'Protocol', 'make_protocol',
            'decisive_plan', 'tuning_specs', 'choose_bracketed', 'bracket_grid', 'bracket_grids', 'decisive_lr_specs',
            'decisive_seed_specs', 'decisive_choice', 'name_shard', 'check_inputs', 'write_decisive_inputs',
-           'decisive_command', 'run_decisive', 'estimate_seconds', 'decisive_estimate', 'estimate_text',
-           'measure_step_seconds', 'parse_step_seconds', 'study_cli']
+           'decisive_command', 'estimate_seconds', 'decisive_estimate', 'estimate_text', 'measure_step_seconds',
+           'parse_step_seconds']
 
 # %% ../nbs/32_study.ipynb #32a00005
 DISTINCT_FORMATS = ("E0M7", "E2M5", "E3M4", "E4M3", "E5M2", "E6M1", "E7M0")
@@ -217,7 +217,7 @@ def run_dir(out, name: str) -> Path: return Path(out) / "runs" / name
 
 def spec_config(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: str = "disabled"):
     "The `TrainConfig` of one run of the study."
-    common = dict(max_steps=plan.steps, seed=spec.seed, data_dir=str(data_dir), out_dir=_portable(run_dir(out, spec.name)),
+    common = dict(max_steps=plan.steps, seed=spec.seed, data_dir=str(data_dir), out_dir=portable(run_dir(out, spec.name)),
                   wandb_mode=wandb_mode, checkpoint_interval=plan.steps, layer_formats=[], interventions=False, stop_on_nan=True,
                   **plan.overrides)
     if spec.fmt is None:
@@ -400,75 +400,16 @@ def model_inputs(plan: StudyPlan) -> dict:
     # the study runs every run in one process (never under torchrun), so one process's tokens per step is the whole step
     return dict(model={k: getattr(cfg, k) for k in keys}, num_params=n, grid_params=grid, tokens=plan.steps * cfg.tokens_per_step)
 
-def _waiting_message(plan: StudyPlan, tag: str, sh, collect, cache: dict, data_dir) -> str:
-    "What to run next when the LR choice cannot be resolved yet."
-    if sh:
-        cmd = regenerate_command(plan, "OUT", data_dir)
-        return (f"[altgrad-study] {tag}: LR phase done here; the seed phase needs every LR run. When all shards have finished: "
-                f"`{cmd.replace('--out OUT', '--collect S_0 ... S_n-1 --out OUT')}` (writes OUT/lr_choice.json), then rerun each "
-                f"shard with `--lr-choice OUT/lr_choice.json`.")
-    return (f"[altgrad-study] collected the LR runs that are there; {sum(1 for s in lr_specs(plan) if s.name not in cache)} LR runs "
-            "are still missing, so the learning rates cannot be chosen yet: finish the shards' LR phase and collect again.")
-
 def write_inputs(out, plan: StudyPlan, data, data_dir, choice: dict) -> Path:
     "Write `out/study_inputs.json`: what the write-up needs besides the run folders."
     from altgrad.data import unigram_baseline
-    inputs = dict(plan=plan.to_dict(), unigram=unigram_baseline(data), lr_choice=json_safe(choice), out=_portable(out),
-                  command=regenerate_command(plan, _portable(out), data_dir), **model_inputs(plan),
+    inputs = dict(plan=plan.to_dict(), unigram=unigram_baseline(data), lr_choice=json_safe(choice), out=portable(out),
+                  command=regenerate_command(plan, portable(out), data_dir), **model_inputs(plan),
                   estimate_seconds=estimate_seconds(plan)["seconds"] if plan.preset == "cpu" else None,
                   expectations=list(SEED_EXPECTATIONS))
     p = Path(out) / INPUTS_FILE
     p.write_text(json.dumps(json_safe(inputs), indent=1) + "\n")
     return p
-
-# %% ../nbs/32_study.ipynb #32a00021
-def run_study(preset: str = "cpu", out="outputs/study", formats=None, rules=None, seeds=None, steps: int | None = None,
-              lr_mults=None, lr_formats=None, shadow: bool | None = None, shard=None, collect=None, data_dir: str | None = None,
-              lr_choice=None, wandb_mode: str = "disabled", overrides: dict | None = None, log=print) -> dict:
-    """Plan, train (or reuse / resume / collect) and write the study; returns `{'status', 'answer', 'counts', 'choice'}`.
-
-    `status`: 'complete' (outputs written, every run there), 'incomplete' (outputs written, some runs missing: a collect
-    before every shard finished), 'shard-done' (one shard's part finished; merge with `collect`) or 'waiting-for-lr'
-    (a shard that finished its LR part but cannot resolve the LR choice yet)."""
-    from altgrad.answer import report_study                 # the write-up builds on this module
-    plan = make_plan(preset, formats, rules, seeds, steps, lr_mults, lr_formats, shadow, overrides)
-    if shard is not None and collect: raise ConfigError("--shard and --collect exclude each other: shards train, --collect merges")
-    sh = parse_shard(shard) if isinstance(shard, str) else shard
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    data = ensure_data(data_dir or None, out)
-    cache, counts = {}, dict(reused=0, trained=0, present=0, copied=0)
-    def do(specs, desc):
-        if collect:
-            r = collect_runs(plan, specs, [Path(c) for c in collect], out, data, wandb_mode, cache, log)
-            counts["present"] += r["present"]; counts["copied"] += r["copied"]
-        else:
-            r = execute(plan, shard_specs(specs, sh), out, data, wandb_mode, desc, cache, log)
-            counts["reused"] += r["reused"]; counts["trained"] += r["trained"]
-    tag = f"shard {sh[0]}/{sh[1]}" if sh else "study"
-    do(lr_specs(plan), f"{tag}: LR phase")
-    for sp in lr_specs(plan):                     # LR runs of other shards may be here too (a shared --out)
-        if sp.name not in cache:
-            run, _ = check_run(run_dir(out, sp.name), spec_config(plan, sp, out, data, wandb_mode))
-            if run is not None: cache[sp.name] = run
-    choice = resolve_choice(plan, cache, lr_choice)
-    tally = lambda: (f"{counts['present']} already here, {counts['copied']} collected" if collect else
-                     f"{counts['reused']} reused, {counts['trained']} trained")
-    if choice is None:
-        log(f"[altgrad-study] {tag}: LR phase: {tally()}")
-        log(_waiting_message(plan, tag, sh, collect, cache, data_dir))
-        return dict(status="waiting-for-lr", answer=None, counts=counts, choice=None)
-    if len(plan.lr_mults) > 1 and not sh: write_lr_choice(out, plan, choice)
-    do(seed_specs(plan, choice["mults"]), f"{tag}: seed phase")
-    log(f"[altgrad-study] {tag}: {tally()}")
-    if sh:
-        log(f"[altgrad-study] shard {sh[0]}/{sh[1]} done; merge the shards with `altgrad-study <same options> --collect S_0 ... --out OUT`")
-        return dict(status="shard-done", answer=None, counts=counts, choice=choice["mults"])
-    write_inputs(out, plan, data, data_dir, choice)
-    p = report_study(out, log, cache)
-    st = json.loads((out / "study.json").read_text())
-    if st["missing"]: log(f"[altgrad-study] {len(st['missing'])} runs missing: {join_names(st['missing'], 8)}")
-    log(f"[altgrad-study] wrote {p}")
-    return dict(status="complete" if st["complete"] else "incomplete", answer=p, counts=counts, choice=choice["mults"])
 
 # %% ../nbs/32_study.ipynb #32h851db
 DECISIVE_RULES = ("fp32", "nearest", "stochastic", "kahan", "madam")
@@ -580,7 +521,7 @@ def write_decisive_inputs(out, plan: StudyPlan, proto: Protocol, data, data_dir,
     "Write `out/study_inputs.json` for the decisive protocol (`choice`: None before the seed phase)."
     from altgrad.data import unigram_baseline
     inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram_baseline(data), lr_choice=json_safe(choice),
-                  out=_portable(out), command=decisive_command(plan, proto, _portable(out), data_dir), **model_inputs(plan),
+                  out=portable(out), command=decisive_command(plan, proto, portable(out), data_dir), **model_inputs(plan),
                   expectations=list(SEED_EXPECTATIONS), step_seconds=step_seconds)
     check_inputs(out, inputs)
     p = Path(out) / INPUTS_FILE
@@ -601,53 +542,6 @@ def decisive_command(plan: StudyPlan | dict, proto: Protocol | dict, out, data_d
     if data_dir: a += ["--data-dir", str(data_dir)]
     for k, v in sorted(p.get("overrides", {}).items()): a += ["--set", f"{k}={v}"]
     return shlex.join(a)
-
-# %% ../nbs/32_study.ipynb #32h887ff
-def run_decisive(plan: StudyPlan, proto: Protocol, out="outputs/study", shard=None, collect=None, data_dir: str | None = None,
-                 wandb_mode: str = "disabled", log=print) -> dict:
-    "Train (or reuse / resume / collect) the decisive study in rounds and write it; returns `run_study`'s dict."
-    from altgrad.answer import report_study
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    data = ensure_data(data_dir or None, out)
-    write_decisive_inputs(out, plan, proto, data, data_dir, None)      # the protocol is on disk before any run
-    cache, counts, tag = {}, dict(reused=0, trained=0, present=0, copied=0), f"shard {shard[0]}/{shard[1]}" if shard else "study"
-    def do(specs, desc):
-        if collect:
-            r = collect_runs(plan, specs, [Path(c) for c in collect], out, data, wandb_mode, cache, log)
-            counts["present"] += r["present"]; counts["copied"] += r["copied"]
-        else:
-            mine = [s for s in specs if shard is None or name_shard(s.name, shard[1]) == shard[0]]
-            r = execute(plan, mine, out, data, wandb_mode, desc, cache, log)
-            counts["reused"] += r["reused"]; counts["trained"] += r["trained"]
-    def losses(specs):
-        for sp in specs:
-            if sp.name not in cache:
-                run, _ = check_run(run_dir(out, sp.name), spec_config(plan, sp, out, data, wandb_mode))
-                if run is not None: cache[sp.name] = run
-        return {n: final_loss(r) for n, r in cache.items()}
-    done = set()
-    for rnd in range(proto.max_extensions + 2):
-        grids = bracket_grids(plan, proto, losses(decisive_lr_specs(plan, proto, bracket_grids(plan, proto, losses([])))))
-        todo = [s for s in decisive_lr_specs(plan, proto, grids) if s.name not in done]
-        if not todo: break
-        do(todo, f"{tag}: tuning round {rnd + 1}"); done |= {s.name for s in todo}
-    grids = bracket_grids(plan, proto, losses(decisive_lr_specs(plan, proto, grids)))
-    choice = decisive_choice(grids)
-    if choice is None:
-        log(f"[altgrad-study] {tag}: tuning: {counts['reused']} reused, {counts['trained']} trained")
-        log(f"[altgrad-study] {tag}: the tuning runs of other shards are not finished yet; rerun this command (or --collect) when they are")
-        return dict(status="waiting-for-lr", answer=None, counts=counts, choice=None)
-    if not shard: write_decisive_inputs(out, plan, proto, data, data_dir, choice)
-    do(decisive_seed_specs(plan, proto, choice["mults"]), f"{tag}: held-out seeds")
-    log(f"[altgrad-study] {tag}: " + (f"{counts['present']} already here, {counts['copied']} collected" if collect else
-                                      f"{counts['reused']} reused, {counts['trained']} trained"))
-    if shard:
-        log(f"[altgrad-study] shard {shard[0]}/{shard[1]} done; merge with `--collect` or rerun without --shard")
-        return dict(status="shard-done", answer=None, counts=counts, choice=choice["mults"])
-    p = report_study(out, log, cache)
-    st = json.loads((out / "study.json").read_text())
-    log(f"[altgrad-study] wrote {p}")
-    return dict(status="complete" if st["complete"] else "incomplete", answer=p, counts=counts, choice=choice["mults"])
 
 # %% ../nbs/32_study.ipynb #32a00023
 CPU_STEP_SECONDS = dict(format=0.40, format_shadow=0.70, reference_fp32=0.15, reference_bf16=0.20)
@@ -702,96 +596,3 @@ def parse_step_seconds(text: str) -> dict:
     "`'fp32=0.3,nearest=0.35,...'` -> `{key: seconds}`."
     try: return {k.strip(): float(v) for k, v in (t.split("=") for t in text.split(",") if t.strip())}
     except ValueError: raise ConfigError(f"--step-seconds {text!r}: give key=seconds pairs such as fp32=0.3,reference_bf16=0.2") from None
-
-# %% ../nbs/32_study.ipynb #32a00026
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="altgrad-study", description="The multi-seed study: formats × update rules × seeds with "
-                                "references and a learning-rate sweep; writes OUT/answer.md, OUT/study.json and OUT/figures/.")
-    p.add_argument("--preset", default="cpu", help="cpu (default), gpu, smoke, auto, or a YAML config")
-    p.add_argument("--out", default="outputs/study")
-    p.add_argument("--formats", help=f"comma-separated (default: {','.join(DISTINCT_FORMATS)}; grid-equivalent ones are dropped)")
-    p.add_argument("--rules", help=f"comma-separated regimes of altgrad.regimes (default: {','.join(STUDY_RULES)}; fp32 and nearest always run)")
-    p.add_argument("--seeds", help="comma-separated (default: 42,43,44)")
-    p.add_argument("--steps", type=int, help="steps per run (default: the preset's study default, cpu: 120)")
-    p.add_argument("--lr-mults", help="learning-rate multipliers of each rule's default, e.g. 1/3,1,3")
-    p.add_argument("--lr-formats", help="formats of the LR sweep (default cpu: E0M7,E3M4,E5M2,E7M0; others: every format)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--shadow", dest="shadow", action="store_true", help="FP32 shadow on in the 8-bit runs")
-    g.add_argument("--no-shadow", dest="shadow", action="store_false", help="FP32 shadow off (cpu default)")
-    p.set_defaults(shadow=None)
-    h = p.add_mutually_exclusive_group()
-    h.add_argument("--shard", help="i/n: train only the runs j with j %% n == i (see --collect)")
-    h.add_argument("--collect", nargs="+", metavar="DIR", help="merge the runs of these shard folders into --out (no training), then write the outputs")
-    h.add_argument("--report-only", action="store_true", help="rewrite answer.md, study.json and the figures from the run folders in --out alone")
-    p.add_argument("--lr-choice", help="an lr_choice.json (written by --collect) that lets a shard run the seed phase")
-    p.add_argument("--data-dir", default=None, help="prepared EurLex folder (default: OUT/_data/eurlex from the shared sample)")
-    p.add_argument("--wandb-mode", default="disabled")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another TrainConfig override for every run, e.g. eval_iters=20")
-    p.add_argument("--dry-run", action="store_true", help="print the runs of this invocation and the estimated time; train nothing")
-    d = p.add_argument_group("the decisive protocol (issue 18; default design for --preset study)")
-    d.add_argument("--design", choices=("decisive", "legacy"), help="decisive: tuning seeds choose bracketed rates, held-out seeds measure; "
-                   "legacy: the first seed tunes a fixed grid (default: decisive for --preset study, else legacy)")
-    d.add_argument("--tuning-seeds", help="seeds that only choose the learning rate (default: 42,43,44)")
-    d.add_argument("--heldout-seeds", help="seeds of every statistic (default: 45,...,50)")
-    d.add_argument("--max-extensions", type=int, default=2, help="how often a regime's rate grid may be extended by x3 beyond an edge (default 2)")
-    d.add_argument("--sensitivity", help="label this study a sensitivity run (its answer is never the headline)")
-    d.add_argument("--estimate", action="store_true", help="print the runs and the wall time of the whole study; exit 1 over --limit-hours")
-    d.add_argument("--step-seconds", help="per-step seconds for --estimate, e.g. fp32=0.3,nearest=0.35,...,reference_fp32=0.2,reference_bf16=0.2 "
-                   "(default: measured by a short run of each regime)")
-    d.add_argument("--shards", type=int, default=2, help="parallel one-thread processes for --estimate (default 2)")
-    d.add_argument("--limit-hours", type=float, default=6.0, help="wall-time limit for --estimate (default 6)")
-    return p
-
-def _decisive_cli(a, ov) -> int:
-    "The decisive design's part of `study_cli`."
-    proto = make_protocol(a.tuning_seeds, a.heldout_seeds, a.lr_mults, a.max_extensions, a.sensitivity)
-    plan = decisive_plan(a.preset, a.formats, a.rules, proto, a.steps, a.shadow, ov)
-    sh = parse_shard(a.shard) if a.shard else None
-    if a.dry_run:
-        first = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults) if not sh or name_shard(s.name, sh[1]) == sh[0]]
-        print(f"{len(first)} runs in the first tuning round" + (f" of shard {a.shard}" if sh else "") + ": " + join_names([s.name for s in first], 8)
-              + f"; then up to {proto.max_extensions} grid extensions and {len(decisive_seed_specs(plan, proto, {r: 1.0 for r in plan.rules}))} "
-              "held-out runs (use --estimate for the time)")
-        return 0
-    if a.estimate:
-        secs = parse_step_seconds(a.step_seconds) if a.step_seconds else measure_step_seconds(plan, ensure_data(a.data_dir, a.out))
-        e = decisive_estimate(plan, proto, secs, a.shards, a.limit_hours)
-        print(estimate_text(e)); return 1 if e["over"] else 0
-    try: r = run_decisive(plan, proto, a.out, sh, a.collect, a.data_dir, a.wandb_mode)
-    except KeyboardInterrupt as e: return e.exit_code if isinstance(e, Interrupted) else 130
-    if r["answer"]: print(r["answer"])
-    return 0
-
-def _dry_run(plan: StudyPlan, sh, shard_text) -> int:
-    e = estimate_seconds(plan)
-    ls = shard_specs(lr_specs(plan), sh)
-    print(f"{len(ls)} runs in the LR phase" + (f" of shard {shard_text}" if sh else "") + ": " + ", ".join(s.name for s in ls))
-    print(f"the whole study: {e['runs']} runs ({e['format_runs']} 8-bit), about {e['seconds'] / 3600:.1f} h at the cpu preset's "
-          f"measured step times ({plan.steps} steps, shadow {'on' if plan.shadow else 'off'})")
-    return 0
-
-def study_cli(argv: list[str] | None = None) -> int:
-    "`altgrad-study --preset cpu --out outputs/study [--formats ..] [--rules ..] [--seeds ..] [--steps N] [--lr-mults ..] [--shard i/n | --collect DIR ..] [--report-only]`"
-    a = _parser().parse_args(argv)
-    try:
-        if a.report_only:
-            from altgrad.answer import report_study         # the write-up builds on this module
-            print(report_study(a.out)); return 0
-        ov = parse_overrides(a.set)
-        if (a.design or ("decisive" if resolve_preset(a.preset) == "study" else "legacy")) == "decisive": return _decisive_cli(a, ov)
-        if a.estimate or a.tuning_seeds or a.heldout_seeds or a.sensitivity:
-            raise ConfigError("--estimate, --tuning-seeds, --heldout-seeds and --sensitivity belong to --design decisive")
-        plan = make_plan(a.preset, a.formats, a.rules, a.seeds, a.steps, a.lr_mults, a.lr_formats, a.shadow, ov)
-        sh = parse_shard(a.shard) if a.shard else None
-        if a.lr_choice: load_lr_choice(a.lr_choice, plan)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"altgrad-study: {e}", file=sys.stderr); return 2
-    if a.dry_run: return _dry_run(plan, sh, a.shard)
-    try:
-        r = run_study(a.preset, a.out, a.formats, a.rules, a.seeds, a.steps, a.lr_mults, a.lr_formats, a.shadow, sh,
-                      a.collect, a.data_dir, a.lr_choice, a.wandb_mode, ov)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"altgrad-study: {e}", file=sys.stderr); return 2
-    except KeyboardInterrupt as e: return e.exit_code if isinstance(e, Interrupted) else 130     # `execute` said how to resume
-    if r["answer"]: print(r["answer"])
-    return 0

@@ -321,7 +321,6 @@ def portable(path) -> str:
     p, cwd = Path(path).resolve(), Path.cwd().resolve()
     return str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p)
 
-_portable = portable   # the old private name, while altgrad.study still imports it
 
 def notebook_params(fmt: str, out, preset: str = "auto", steps: int | None = None, seed: int = 42, layer_formats=None, tag: str = "",
                     interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,

@@ -206,13 +206,13 @@ class Trainer:
 def _sync(dev_type: str):
     if dev_type == "cuda": torch.cuda.synchronize()
 
-def decay_factors(optimizer) -> dict:
-    "{parameter: c}: this step's decoupled weight decay shrinks w to (1 - c) w (AdamW, Lion: c = lr*wd; Madam: 1 - 2^-(lr*wd))."
-    out = {}
+def decay_factors(optimizer, name: str) -> dict:
+    "{parameter: c}: this step's weight decay shrinks w to (1 - c) w; `name`'s registry entry says how (`OptimizerSpec.decay_shrink`)."
+    shrink, out = get_optimizer(name).decay_shrink, {}
     for g in optimizer.param_groups:
         lr, wd = g.get("lr", 0.0), g.get("weight_decay", 0.0)
         if not wd: continue
-        c = 1.0 - 2.0 ** (-lr * wd) if type(optimizer).__name__ == "Madam" else lr * wd
+        c = shrink(lr, wd)
         for p in g["params"]: out[p] = c
     return out
 
@@ -280,7 +280,7 @@ def train_step(self: Trainer) -> dict:
         if cfg.grad_clip > 0: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         quantized.quant_pre_step(model, before)
         self.optimizer.step()
-        m.update(quantized.quant_post_step(model, decay_factors(self.optimizer), getattr(self.optimizer, "intended", None)) or {})
+        m.update(quantized.quant_post_step(model, decay_factors(self.optimizer, self.cfg.optimizer), getattr(self.optimizer, "intended", None)) or {})
         m.update(zero_update_metrics(before, model))
         self.nan_streak = 0
     else:

@@ -1,4 +1,4 @@
-"System tests of the multi-seed study (altgrad.study, written up by altgrad.answer) on the smoke preset: two shards plus --collect, the CLI, resume, papermill."
+"System tests of the multi-seed study (planned by altgrad.study, written up by altgrad.answer, run by altgrad.study_cli) on the smoke preset: two shards plus --collect, the CLI, resume, papermill."
 import contextlib, io, json, os, shutil, subprocess, sys
 from pathlib import Path
 import pytest
@@ -21,13 +21,13 @@ def eager_kernels():
 def cli(*args):
     "The console script (or, before `pip install -e .` knows it, the same entry point through python)."
     exe = shutil.which("altgrad-study")
-    cmd = [exe] if exe else [sys.executable, "-c", "import sys; from altgrad.study import study_cli; sys.exit(study_cli(sys.argv[1:]))"]
+    cmd = [exe] if exe else [sys.executable, "-c", "import sys; from altgrad.study_cli import study_cli; sys.exit(study_cli(sys.argv[1:]))"]
     return subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=900)
 
 
 def inproc(*args) -> tuple[int, str]:
     "`study_cli` in this process (no second import of torch, no second kernel compile); (exit code, stdout + stderr)."
-    from altgrad.study import study_cli
+    from altgrad.study_cli import study_cli
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf): rc = study_cli([str(a) for a in args])
     return rc, buf.getvalue()
@@ -312,3 +312,11 @@ def test_decisive_trains_in_shards_and_resumes(study, tmp_path):
     # the protocol is fixed: the same folder refuses other held-out seeds
     rc, log = inproc(*[a if a != "43,44" else "43,45" for a in args], "--out", out)
     assert rc == 2 and "fixed another protocol" in log, log[-1500:]
+
+
+def test_no_import_cycle():
+    "The planner imports neither the write-up nor the command line; the write-up imports the planner, the command line both."
+    code = ("import sys, altgrad.study; a = sorted(m for m in ('altgrad.answer', 'altgrad.study_cli') if m in sys.modules); "
+            "import altgrad.answer; b = 'altgrad.study_cli' in sys.modules; import altgrad.study_cli as C; print(a, b, C.report_study.__module__)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[] False altgrad.answer", r.stdout + r.stderr[-2000:]
