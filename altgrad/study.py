@@ -15,7 +15,7 @@ from .optim import default_lr_scale
 from .regimes import get_rule, UPDATE_RULES
 from .runs import final_loss
 from .stats import finite
-from .tracking import compact_metrics, metrics_file, METRICS_COMPACT, METRICS_JSONL
+from .tracking import compact_metrics, compact_run, metrics_file, METRICS_COMPACT, METRICS_JSONL
 from .trainer import Interrupted, Trainer, run_state
 from .sweep import portable, check_run, config_diff, resolve_preset, saved_config
 
@@ -232,9 +232,10 @@ def resumable(d, cfg) -> bool:
     except (ConfigError, OSError, ValueError): return False
 
 def finalize_run(d) -> Path:
-    "A finished run folder made complete and light: the compact `metrics.parquet` (written if missing or stale), no checkpoints, no W&B folder."
+    """A finished run folder made complete and light: the compact run format read through totals only
+    (`tracking.compact_run(layers=False)`: ~15 KB a run), no checkpoints, no W&B folder."""
     d = Path(d)
-    if (d / METRICS_JSONL).exists() and metrics_file(d) != d / METRICS_COMPACT: compact_metrics(d)
+    if metrics_file(d) is not None: compact_run(d, layers=False)
     for p in [*d.glob("checkpoints*"), d / "wandb"]:
         if p.is_dir(): shutil.rmtree(p)
     return d
