@@ -274,7 +274,8 @@ def quantize(x: torch.Tensor, fmt, scale=1.0, rounding: str = "nearest", generat
         except Exception as e:  # no C++ compiler / triton, unsupported device...
             if compiled: raise
             _compile_broken.append(repr(e))
-            warnings.warn(f"altgrad: torch.compile of the quantize kernels failed ({type(e).__name__}); using eager kernels")
+            from altgrad.tracking import notice        # lazily: tracking sits above formats
+            notice(f"torch.compile of the quantize kernels failed ({type(e).__name__}); using eager kernels")
     p = _kernel_params(fmt); p["ovf"] = torch.tensor(p["ovf"], device=x.device)
     if seed is None: return _kernel_nearest(x, s, **p)
     return _kernel_stochastic(x, s, seed, **p)

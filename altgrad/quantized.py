@@ -389,7 +389,7 @@ def quantize_model(model: nn.Module, format=None, layer_formats=None, quantize_t
     "Replace `model`'s `nn.Linear`s in place per `format` (all) or `layer_formats` (first match wins); `kw` go to `QuantizedLinear`."
     if rules is not None:                                   # the old name of layer_formats
         if layer_formats is not None: raise ValueError("quantize_model got both layer_formats and its old name rules: give layer_formats only")
-        print("[altgrad] quantize_model: argument 'rules' is renamed 'layer_formats'", file=sys.stderr)
+        notice("quantize_model: argument 'rules' is renamed 'layer_formats'")
         layer_formats = rules
     if (format is None) == (layer_formats is None):
         raise ValueError("quantize_model needs exactly one of format=<name> (every linear layer) or layer_formats=[[pattern, fmt], ...]"

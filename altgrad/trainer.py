@@ -543,7 +543,7 @@ def _summary(self: Trainer, reason, start_step: int, seconds: float, perf: list)
         shadow_time=statistics.median(p[1] for p in perf) if perf and self.shadow is not None else None,
         device=self.device, autocast=str(self.amp_dtype).replace("torch.", "") if self.amp_dtype else None,
         world_size=self.world, global_batch=self.global_batch,
-        fmt=cfg.fmt, num_params=self.model.num_params() if hasattr(self.model, "num_params") else None,
+        fmt=cfg.fmt, num_params=self.model.num_params(),
         **layer_census(self.model),
         vocab=vocab_info(self.data.dir),                    # the folder actually read: name, size, coverage
         compute_split={k: v for k, v in self.model.compute_split().items() if k != "layers_8bit"},
