@@ -7,18 +7,17 @@ from __future__ import annotations
 import json, math
 from pathlib import Path
 import numpy as np
-import matplotlib
 import matplotlib.pyplot as plt
 from .optim import default_lr_scale
 from .regimes import get_rule
 from .report import fmt_num, precision_note, progress_lost
 from .runs import load_run, run_finished, final_loss
-from .stats import (finite, mean_of, mean_ci, paired_benefit, recovered_fraction, rank_by_benefit, ranking_text, overlaps, spearman,
+from .stats import (finite, mean_of, mean_ci, paired_benefit, recovered_fraction, rank_by_benefit, ranking_text, overlaps, spearman, t_crit,
                            paired_test, holm, min_detectable_effect)
 from .law import law_text
-from .study import (CONTROL, UPPER, REF_PRECISIONS, STUDY_RULES, SEED_EXPECTATIONS, INPUTS_FILE, StudyPlan, RunSpec,
-                           lr_specs, seed_specs, cell_specs, reference_spec, format_spec, run_dir, trivial_choice, make_plan,
-                           mult_label, lr_scale_for, resolve_choice, model_inputs, json_safe, join_names, regenerate_command,
+from .study import (CONTROL, UPPER, REF_PRECISIONS, STUDY_RULES, SEED_EXPECTATIONS, INPUTS_FILE, ANALYSIS_RULES, StudyPlan, RunSpec,
+                           lr_specs, seed_specs, cell_specs, reference_spec, format_spec, run_dir,
+                           mult_label, lr_scale_for, resolve_choice, model_inputs, json_safe, join_names,
                            Protocol, bracket_grids, decisive_lr_specs, decisive_seed_specs, decisive_choice, decisive_command)
 from .tracking import METRICS_COMPACT
 
@@ -31,10 +30,10 @@ __all__ = ['MECH_KEYS', 'MECH_ALL', 'EXPECTATION_CHECKS', 'grid_rules', 'same_la
            'save_figure', 'results_section', 'same_landing_section', 'ranking_section', 'mechanism_section',
            'rises_at_low_rates', 'figures_section', 'references_section', 'lr_sweep_section', 'landing_note',
            'protocol_section', 'threats_section', 'regenerate_section', 'write_answer', 'report_study', 'format_pairs',
-           'law_points', 'decisive_expectations', 'decisive_cells', 'decisive_mde', 'decisive_analyze',
-           'incomplete_text', 'law_clause', 'decisive_paragraph', 'pairs_section', 'decisive_results_section',
-           'law_section', 'bracket_section', 'plot_law', 'decisive_protocol_section', 'write_decisive_answer',
-           'report_decisive', 'fake_decisive_study']
+           'law_points', 'decisive_expectations', 'decisive_cells', 'decisive_mde', 'headline_record',
+           'decisive_analyze', 'incomplete_text', 'law_clause', 'decisive_paragraph', 'pairs_section',
+           'decisive_results_section', 'law_section', 'bracket_section', 'plot_law', 'decisive_protocol_section',
+           'write_decisive_answer', 'report_decisive', 'fake_decisive_study']
 
 # %% ../nbs/35_answer.ipynb #35a00005
 MECH_KEYS = {"pred_stall": "pred_stall/total", "update_ratio": "update_ratio/total", "stall": "stall/total",
@@ -605,7 +604,7 @@ def protocol_section(st: dict, inputs: dict, runs: dict | None = None) -> list[s
         + (" (but every choice sits at an edge of the grid, so none is bracketed)." if set(ch.get("at_edge") or []) >= set(plan["rules"]) else "."),
         f"- **FP32 shadow** {'on' if plan['shadow'] else 'off'}" + ("" if plan["shadow"] else " (the shadow only measures gradient cosines; the loss and "
                                                                     "the update mechanism do not need it, and it would cost about a third more time)") + ".",
-        f"- **NaN policy**: a run stops at its first non-finite loss and counts as failed (left out of means, listed).",
+        "- **NaN policy**: a run stops at its first non-finite loss and counts as failed (left out of means, listed).",
         f"- **Budget**: {bud['runs']} runs, {bud['total_seconds'] / 3600:.2f} h of training in total "
         f"({bud['seconds']['lr'] / 3600:.2f} h in the LR phase incl. references, {bud['seconds']['seeds'] / 3600:.2f} h in the seed phase) on "
         f"{', '.join(st['devices']) or '?'}" + (f" (estimated beforehand from the measured cpu step times: {inputs['estimate_seconds'] / 3600:.2f} h)"
@@ -791,15 +790,36 @@ def decisive_cells(plan: StudyPlan, proto, recs: dict, held: list, unigram, conf
     return cells, L
 
 def decisive_mde(plan: StudyPlan, cells: dict, pairs: dict, n: int) -> dict:
-    "The minimum effect detectable at 80% power (two-sided paired t, alpha 0.05) from the median measured paired SDs."
-    sd_b = [cells[f][r]["benefit"]["sd"] for f in plan.formats for r in plan.rules if r != CONTROL and cells[f][r]["benefit"].get("sd")]
+    """The minimum effect detectable at 80% power (two-sided paired t) from the median measured paired SD of a family:
+    `mde` for one pre-specified comparison (alpha 0.05), `mde_family` for a claim that survives Holm over the family's
+    m tests (its first step: alpha 0.05/m). Families: the grid rules' benefits over nearest, and the format pairs."""
+    sd_b = [cells[f][r]["benefit"]["sd"] for f in plan.formats for r in plan.rules if r not in (CONTROL, UPPER) and cells[f][r]["benefit"].get("sd")]
     sd_f = [v["sd"] for fam in pairs.values() for v in fam.values() if v.get("sd")]
-    one = lambda sds: (dict(sd=float(np.median(sds)), mde=min_detectable_effect(float(np.median(sds)), n)) if sds and n >= 2 else dict(sd=None, mde=None))
-    return dict(n=n, power=0.8, alpha=0.05, benefit=one(sd_b), formats=one(sd_f))
+    m_b = sum(1 for r in plan.rules if r not in (CONTROL, UPPER)) * len(plan.formats)
+    m_f = len(plan.formats) * (len(plan.formats) - 1) // 2
+    def one(sds, m):
+        if not sds or n < 2: return dict(sd=None, mde=None, m=m, mde_family=None)
+        sd = float(np.median(sds))
+        return dict(sd=sd, mde=min_detectable_effect(sd, n), m=m, mde_family=min_detectable_effect(sd, n, alpha=0.05 / max(m, 1)))
+    return dict(n=n, power=0.8, alpha=0.05, benefit=one(sd_b, m_b), formats=one(sd_f, m_f))
 
 def _no_none(d):
     "A record without its None entries (nested dicts too): the decisive study.json stays small."
     return {k: _no_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
+
+def headline_record(cells: dict, head, grid_cells: list, m: int) -> dict | None:
+    """The headline cell (largest mean benefit of the m grid-rule cells) with a simultaneous interval (Bonferroni: each of
+    the m intervals at 1 − 0.05/m, so all m cover together with 95%; the largest of m means is biased upward by its
+    selection, and this interval is the honest one for it), and every cell that Holm's correction resolves. `m` is the
+    planned number of cells (the same m as the family-wise detectable effect; a cell without runs still counts)."""
+    if head is None: return None
+    b = cells[head[0]][head[1]]["benefit"]
+    sim = dict(conf=1 - 0.05 / m, lo=None, hi=None)
+    if b.get("sd") is not None and b.get("n", 0) >= 2:
+        h = t_crit(b["n"] - 1, 1 - 0.05 / m) * b["sd"] / math.sqrt(b["n"])
+        sim.update(lo=b["mean"] - h, hi=b["mean"] + h)
+    res = [f"{f}/{r}" for f, r in grid_cells if (cells[f][r]["benefit"].get("p_holm") or 1) < 0.05 and cells[f][r]["benefit"]["mean"] > 0]
+    return dict(fmt=head[0], rule=head[1], m=m, simultaneous=sim, resolved=res)
 
 def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: dict | None, unigram, conf: float = 0.95) -> dict:
     "Every number of a decisive study's write-up from `{run name: Run or None}` (`study.json`'s content)."
@@ -819,9 +839,11 @@ def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: di
     grid_cells = [(f, r) for f in plan.formats for r in plan.rules if r not in (CONTROL, UPPER)
                   and cells.get(f, {}).get(r, {}).get("benefit", {}).get("mean") is not None]
     head = max(grid_cells, key=lambda fr: cells[fr[0]][fr[1]]["benefit"]["mean"]) if grid_cells else None
+    vocab = next((runs[s.name].summary.get("vocab") for s in held + tune if runs.get(s.name) is not None
+                  and runs[s.name].summary.get("vocab")), None)
     refs = {p: mean_ci(_losses(recs, [s for s in held if s.fmt is None and s.rule == p]).values(), conf) for p in REF_PRECISIONS} if done else {}
-    split = next((runs[s.name].summary.get("compute_split") for s in held if s.fmt and runs.get(s.name) is not None
-                  and runs[s.name].summary.get("compute_split")), None)
+    split = next((runs[s.name].summary.get("compute_split") for s in held + tune if s.fmt and runs.get(s.name) is not None
+                  and runs[s.name].summary.get("compute_split")), None)     # the same model in every 8-bit run
     seconds = {ph: math.fsum(x.get("seconds") or 0.0 for x in recs.values() if x["phase"] == ph) for ph in ("lr", "seeds")}
     return json_safe(dict(
         design="decisive", protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram, conf=conf,
@@ -831,7 +853,9 @@ def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: di
         lr_choice=dict(grids={r: dict(mults=g["mults"], status=g["status"], mult=g["mult"], table=g["table"]) for r, g in grids.items()},
                        mults=choice["mults"] if choice else None, rule=proto.choice_rule),
         cells=cells, format_pairs=pairs, mde=decisive_mde(plan, cells, pairs, len(proto.heldout_seeds)) if done else None,
-        references=refs, compute_split=split, law=law, law_r={r: {k: v for k, v in x.items() if k != 'fit'} for r, x in law_r.items()}, correlation=corr, headline=dict(fmt=head[0], rule=head[1]) if head else None,
+        references=refs, compute_split=split, law=law, law_r={r: {k: v for k, v in x.items() if k != 'fit'} for r, x in law_r.items()}, correlation=corr,
+        headline=headline_record(cells, head, grid_cells, len(plan.formats) * sum(1 for r in plan.rules if r not in (CONTROL, UPPER))),
+        vocab=vocab,
         devices=sorted({x.get("device") for x in recs.values() if x.get("device")}),
         budget=dict(seconds=seconds, total_seconds=seconds["lr"] + seconds["seeds"], runs=len(recs) - len(missing)),
         runs={n: _no_none(x) for n, x in recs.items()}))
@@ -851,8 +875,9 @@ def law_clause(st: dict, r: str) -> str:
     "Why, in one clause: the law of rule `r`'s benefit (R², LOFO, one curve or not)."
     L = st["law"].get(r) or {}
     if L.get("r2") is None: return "the law could not be fitted"
-    return (f"across all {L['n']} format × rate points its benefit is one increasing function of nearest's stall with R² = {L['r2']:.2f} "
-            f"(leave-one-format-out RMSE {L['lofo_rmse']:.3f} nats): "
+    return (f"across all {L['n']} format × rate points its benefit against nearest's predicted stall follows one increasing curve "
+            f"with R² = {L['r2']:.2f} in sample and {fmt_num(L.get('r2_lofo'), '.2f')} out of sample (each format predicted from the "
+            f"others; RMSE {L['lofo_rmse']:.3f} nats): "
             + ("the stall mechanism explains it" if L["one_curve"] else "the points do not fall on one curve, so the stall alone does not explain it"))
 
 def decisive_paragraph(st: dict) -> str:
@@ -863,17 +888,27 @@ def decisive_paragraph(st: dict) -> str:
     if h is None: return sens + "**Answer.** Not available: the study has no grid-aware rule (use --rules)."
     f, r = h["fmt"], h["rule"]; b = st["cells"][f][r]["benefit"]; mde = st["mde"]["benefit"]
     resolved = b.get("p_holm") is not None and b["p_holm"] < 0.05 and b["mean"] > 0
+    sim = h.get("simultaneous") or {}
+    simtext = (f"; {sim['lo']:.3f} to {sim['hi']:.3f} as a simultaneous 95% interval over all {h['m']} format × rule cells "
+               f"(Bonferroni, each at {sim['conf']:.2%})"
+               if sim.get("lo") is not None else "")
+    others = [c for c in h.get("resolved", []) if c != f"{f}/{r}"]
     if b["mean"] <= 0:
         return sens + (f"**Answer.** No grid-aware rule lowered the final validation loss on average; the least harmful is **{f}** with "
                        f"**{rule_label(r)}**, {-b['mean']:.3f} nats *above* round-to-nearest ({ci_text(b)}, {b['n']} held-out seeds). "
                        f"The law: {law_clause(st, r)}.")
-    S = [(f"**Answer.** **{f}** benefits most, from **{rule_label(r)}**: " if resolved else
-          f"**Answer.** No format × rule benefit is resolved after Holm's correction; the largest mean benefit is **{f}** with "
-          f"**{rule_label(r)}**: ") + f"{b['mean']:.3f} nats below round-to-nearest's final validation loss ({ci_text(b)}, paired over "
-         f"{b['n']} held-out seeds, Holm-adjusted p = {fmt_num(b.get('p_holm'), '.2g')}). Why: {law_clause(st, r)}."]
+    lead = (f"**Answer.** **{f}** benefits most, from **{rule_label(r)}**: " if resolved else
+            f"**Answer.** The largest mean benefit, **{f}** with **{rule_label(r)}**, is not resolved after Holm's correction"
+            + (f" (resolved: {', '.join(others)})" if others else "; no format × rule benefit is") + ": ")
+    S = [lead + f"{b['mean']:.3f} nats below round-to-nearest's final validation loss ({ci_text(b)}{simtext}; paired over "
+         f"{b['n']} held-out seeds, Holm-adjusted p = {fmt_num(b.get('p_holm'), '.2g')}; the largest of {h.get('m', '?')} cells, so its "
+         f"mean is biased upward by the choice). Why: {law_clause(st, r)}."]
     if mde.get("mde") is not None:
-        S.append(f"With {n} held-out seeds the smallest benefit detectable at 80% power is {mde['mde']:.3f} nats (median paired SD "
-                 f"{mde['sd']:.3f}); between formats it is {fmt_num(st['mde']['formats'].get('mde'), '.3f')} nats.")
+        fm = st["mde"]["formats"]
+        S.append(f"With {n} held-out seeds (median paired SD {mde['sd']:.3f} nats) the smallest benefit detectable at 80% power is "
+                 f"{mde['mde']:.3f} nats for one pre-specified comparison (α = 0.05) and {fmt_num(mde.get('mde_family'), '.3f')} nats "
+                 f"for a claim that survives Holm over the {mde.get('m')} cells (α = 0.05/{mde.get('m')}); between two formats "
+                 f"{fmt_num(fm.get('mde'), '.3f')} and {fmt_num(fm.get('mde_family'), '.3f')} nats (Holm over {fm.get('m')} pairs).")
     unb = [q for q, g in st["lr_choice"]["grids"].items() if g["status"] == "unbracketed"]
     S.append("Every regime's learning rate is bracketed (its best multiplier is interior)." if not unb else
              (f"The learning rate of {unb[0]} is unbracketed: its best multiplier is" if len(unb) == 1 else
@@ -959,8 +994,9 @@ def _reference_clause(st: dict) -> str:
     ref = (st.get("references") or {}).get("fp32", {})
     if ref.get("mean") is None or not finite(st.get("unigram")): return ""
     gap = st["unigram"] - ref["mean"]
-    return (f"; the FP32 reference ends {gap:.3f} nats below the unigram baseline of the study's inputs "
-            f"({st['unigram']:.3f}; goal ≥ 1.0: {'met' if gap >= 1.0 else 'missed'})")
+    voc = (st.get("vocab") or {}).get("name")
+    return (f"; the FP32 reference ends {gap:.3f} nats below the unigram baseline on the same vocabulary" + (f" ({voc})" if voc else "")
+            + f" (the unigram cross-entropy of the whole validation split, {st['unigram']:.3f}; goal ≥ 1.0: {'met' if gap >= 1.0 else 'missed'})")
 
 def decisive_protocol_section(st: dict, inputs: dict) -> list[str]:
     "How the decisive study was run."
@@ -980,7 +1016,21 @@ def decisive_protocol_section(st: dict, inputs: dict) -> list[str]:
                                        "step (the run's `summary.json`, `compute_split`; goal ≥ 50% each)" if (sp := st.get("compute_split")) else
                                        "the shares of parameters and FLOPs were not recorded in the runs' summaries") + ".",
             f"- **Budget**: {st['budget']['runs']} runs, {st['budget']['total_seconds'] / 3600:.2f} h of training on {', '.join(st['devices']) or '?'}.",
-            "- **NaN policy**: a run stops at its first non-finite loss and counts as failed (left out of means, listed)."]
+            "- **NaN policy**: a run stops at its first non-finite loss and counts as failed (left out of means, listed)."] + _protocol_extras(st, inputs)
+
+def _protocol_extras(st: dict, inputs: dict) -> list[str]:
+    "The vocabulary, the analysis rules fixed in the study's inputs, and the default regimes this study did not run."
+    from altgrad.study import DECISIVE_RULES
+    v = inputs.get("vocab") or st.get("vocab") or {}
+    cov = (v.get("coverage") or {}).get("val")
+    L = [f"- **Vocabulary**: {v['name']}" + (f", {v['size']:,} classes" if v.get("size") else "")
+         + (f" ({cov:.1%} of validation tokens are not the catch-all class)" if cov else "")
+         + "; the loss and the unigram baseline are on it." if v.get("name") else "- **Vocabulary**: not recorded in the study's inputs."]
+    an = inputs.get("analysis") or {}
+    if an: L += [f"- **Headline rule**: {an['headline']}.", f"- **Law**: {an['law']}.", f"- **Correlation**: {an['correlation']}."]
+    cut = [r for r in DECISIVE_RULES if r not in st["plan"]["rules"]]
+    if cut: L.append(f"- **Not run**: {', '.join(f'`{r}`' for r in cut)} of the default regimes (see the study's notes for why).")
+    return L
 
 def write_decisive_answer(out, st: dict, inputs: dict) -> Path:
     "Write `out/answer.md` and `out/study.json` of a decisive study from `decisive_analyze`'s result."
@@ -1019,6 +1069,10 @@ def report_decisive(out, inputs: dict, log=print, runs: dict | None = None) -> P
         if new == grids: break
         grids = new
     choice = decisive_choice(grids)
+    fixed = (inputs.get("lr_choice") or {}).get("mults")
+    if choice and fixed and json_safe(fixed) != json_safe(choice["mults"]):
+        raise ValueError(f"{out}: the learning-rate multipliers recomputed from the run folders {choice['mults']} differ from the ones "
+                         f"fixed in {INPUTS_FILE} {fixed}; a tuning run was changed or removed after the choice")
     if choice: load(decisive_seed_specs(plan, proto, choice["mults"]))
     return write_decisive_answer(out, decisive_analyze(plan, proto, loaded, grids, choice, inputs.get("unigram")), inputs)
 
@@ -1038,7 +1092,8 @@ def fake_decisive_study(out, plan: StudyPlan, proto, loss, stall, unigram: float
     choice = decisive_choice(bracket_grids(plan, proto, losses))
     if choice:
         for sp in decisive_seed_specs(plan, proto, choice["mults"]): write(sp)
-    inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram, lr_choice=json_safe(choice), out=str(out.name),
+    inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram, vocab=dict(name="synthetic (no data)", size=None),
+                  lr_choice=json_safe(choice), analysis=ANALYSIS_RULES, out=str(out.name),
                   command=decisive_command(plan, proto, out.name), expectations=list(SEED_EXPECTATIONS))
     (out / INPUTS_FILE).write_text(json.dumps(json_safe(inputs), indent=1) + "\n")
     return out

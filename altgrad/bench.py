@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"time update regimes (altgrad.regimes) relative to nearest instead (default list: "
                         f"{','.join(DEFAULT_RULES)}; also {','.join(k for k in UPDATE_RULES if k not in DEFAULT_RULES)})")
     t.add_argument("--shadow", action="store_true", help="with --rules: keep the FP32 shadow on in every trainer")
+    t.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also profile the 8-bit trainer over STEPS further steps: share of time in the 8-bit layers, top operators")
+    t.add_argument("--no-shadow", action="store_true", help="without --rules: leave out the +shadow trainers")
     a = p.parse_args(argv)
     if a.what == "quantize":
         from altgrad.formats import get_format
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_rules(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup, rules=rules, shadow=a.shadow)
     else:
         from altgrad.trainer import bench_train
-        res = bench_train(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup)
+        res = bench_train(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup,
+                          profile=a.profile, shadow=not a.no_shadow)
     print(json.dumps(res, indent=1))
     missed = unmet_goals(res)
     if a.strict and missed:

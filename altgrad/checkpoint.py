@@ -4,7 +4,7 @@
 
 # %% ../nbs/16_checkpoint.ipynb #aa4f48f6
 from __future__ import annotations
-import json, math, os, random, re, shutil, time, uuid, warnings
+import json, math, os, random, re, shutil, time, uuid
 from pathlib import Path
 import numpy as np
 import torch

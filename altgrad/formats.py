@@ -11,9 +11,9 @@ import torch
 
 # %% auto #0
 __all__ = ['FORMAT_REGISTRY', 'E5M2', 'E4M3', 'E3M4', 'E1M6', 'E0M7', 'E7M0', 'E2M5', 'E6M1', 'E4M3_NAN', 'COMPILE_MIN_NUMEL',
-           'FP8Format', 'register_format', 'get_format', 'grid_equivalent', 'equivalent_formats', 'quantize_integer',
-           'compile_mode', 'quantize', 'to_bits', 'from_bits', 'adversarial_inputs', 'reference_quantize',
-           'quantize_ste']
+           'KERNEL_OPTIONS', 'FP8Format', 'register_format', 'get_format', 'grid_equivalent', 'equivalent_formats',
+           'quantize_integer', 'compile_mode', 'compile_kernel', 'quantize', 'to_bits', 'from_bits',
+           'adversarial_inputs', 'reference_quantize', 'quantize_ste']
 
 # %% ../nbs/00_formats.ipynb #616a0047
 _SPECIALS = ("ieee", "fn", "finite")
@@ -193,7 +193,7 @@ def quantize_integer(x: torch.Tensor, fmt, scale=1.0, rounding: str = "nearest",
     return (r / s).to(x.dtype)
 
 # %% ../nbs/00_formats.ipynb #55288415
-import os, warnings
+import os
 
 def _kernel_params(fmt: FP8Format) -> dict:
     "Constants of the fast kernels for `fmt` (Python numbers)."
@@ -251,10 +251,16 @@ def _want_compiled(x: torch.Tensor, compiled: bool | None) -> bool:
     mode = compile_mode()
     return mode == "always" or (mode == "auto" and x.numel() >= COMPILE_MIN_NUMEL)
 
+KERNEL_OPTIONS = {"eager_numerics.division_rounding": True, "emulate_precision_casts": True, "eager_numerics.disable_ftz": True}
+
+def compile_kernel(fn):
+    """`torch.compile` of one of altgrad's elementwise kernels: dynamic shapes, and eager numerics where code generation
+    could depart from them (GPU: IEEE-rounded division, no fused multiply-add, no flush-to-zero; the CPU code is IEEE)."""
+    return torch.compile(fn, dynamic=True, options=KERNEL_OPTIONS)
+
 def _get_compiled(kind: str):
     if kind not in _compiled:
-        fn = _kernel_nearest if kind == "nearest" else _kernel_stochastic
-        _compiled[kind] = torch.compile(fn, dynamic=True)
+        _compiled[kind] = compile_kernel(_kernel_nearest if kind == "nearest" else _kernel_stochastic)
     return _compiled[kind]
 
 def quantize(x: torch.Tensor, fmt, scale=1.0, rounding: str = "nearest", generator: torch.Generator | None = None,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 import numpy as np
 import torch
-from .formats import FP8Format, get_format, quantize
+from .formats import FP8Format, compile_kernel, get_format, quantize, _kernel_nearest, _tensor_params, _want_compiled
 from .scaling import SCALE_MIN, SCALE_MAX
 
 # %% auto #0
@@ -136,29 +136,63 @@ def lower_median(x: torch.Tensor) -> torch.Tensor:
 STAT_FIELDS = ("moved", "stalled", "pred_stalled", "dw_dot_u", "u_dot_u", "r_median", "flip_back", "flip_base",
                "zero_sub", "numel", "resid_ulp_sq")
 
+def _ulp_toward(a, w, d, s, lo, m, mx):
+    "`grid_ulp` from the grid magnitude `a` of `w` (scaled units): the step toward `d`, in real units (kernel form)."
+    e = ((torch.where(a > mx, mx, a).view(torch.int32) >> 23) - 127).clamp(min=lo - 127)   # (a NaN keeps its bits, as in `ulp`)
+    up = ((e - m + 127) << 23).view(torch.float32)                        # `FP8Format.ulp`
+    bits = a.view(torch.int32)
+    finer = ((bits & 0x7FFFFF) == 0) & (bits > ((lo << 23) | 0x7FFFFF))   # `_finer_below`
+    down = finer & (torch.sign(d) != torch.sign(w)) & (w != 0)
+    return torch.where(down, up * 0.5, up) / s
+
+def _stats_kernel(wb, u, wa, s, prev, res, view_stall: bool, one, small, lo, hi, m, mx, ovf, par, m0):
+    "`update_stats`' elementwise work and sums in one pass (compiled): `(r, sums)`; the median of r is left to the caller."
+    p = dict(lo=lo, hi=hi, m=m, mx=mx, ovf=ovf, par=par, m0=m0)
+    r = u.abs() / _ulp_toward(_kernel_nearest(wb * s, one, **p).abs(), wb, u, s, lo, m, mx)
+    moved, dw = u != 0, wa - wb
+    same = (_kernel_nearest(wb + u, s, **p) == _kernel_nearest(wb, s, **p)) if view_stall else (dw == 0)
+    aa = _kernel_nearest(wa * s, one, **p).abs()                         # `grid_magnitude(wa)`
+    z = torch.zeros((), dtype=torch.float64, device=u.device)
+    if prev is not None:
+        base = wb != prev
+        flip, nbase = (base & (wa == prev)).sum().double(), base.sum().double()
+    else: flip, nbase = z, z
+    rs = (res / _ulp_toward(aa, wa, res, s, lo, m, mx)).double().square().sum() if res is not None else z
+    return r, torch.stack([moved.sum().double(), (moved & same).sum().double(), (moved & (r < 0.5)).sum().double(),
+                           (dw * u).sum(dtype=torch.float64), (u * u).sum(dtype=torch.float64), z, flip, nbase,
+                           (aa < small).sum().double(), z + u.numel(), rs])
+
+_stats_compiled: list = []     # [compiled kernel] once built; [None] if compiling failed
+
 def update_stats(w_before: torch.Tensor, u: torch.Tensor, w_after: torch.Tensor, fmt, scale=1.0,
-                 w_prev2: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-    "float64 sums over one tensor, one entry per `STAT_FIELDS` name (on the CPU; the median of r is the one sync on GPUs)."
+                 w_prev2: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                 view_stall: bool = False) -> torch.Tensor:
+    """float64 sums over one tensor, one entry per `STAT_FIELDS` name (the median of r is the one sync on GPUs).
+
+    `view_stall` counts as stalled the moved elements whose quantized view did not change, `Q(w_before + u) ==
+    Q(w_before)` (FP32 master weights, whose stored value moves anyway); otherwise `w_after == w_before`. One fused
+    kernel, compiled like `formats.quantize` (same size threshold and `ALTGRAD_COMPILE` switch), eager otherwise."""
     fmt = get_format(fmt)
     wb, wa, u = w_before.detach().float(), w_after.detach().float(), u.detach().float()
-    s = _scale_t(scale, wb)
-    moved = u != 0
-    r = u.abs() / grid_ulp(wb, u, fmt, s)
-    dw = wa - wb
-    z = torch.zeros((), dtype=torch.float64, device=u.device)
-    rm = torch.masked_select(r, moved)
-    r_med = lower_median(rm).double() if rm.numel() else z
-    if w_prev2 is not None:
-        base = wb != w_prev2
-        flip, nbase = (base & (wa == w_prev2)).sum(), base.sum()
-    else: flip, nbase = z, z
-    a = grid_magnitude(wa, fmt, s)
-    small = (a == 0) if fmt.exp_bits == 0 else (a < fmt.min_normal)
-    res = (residual.float() / grid_ulp(wa, residual.float(), fmt, s)).square().sum() if residual is not None else z
-    vals = [torch.tensor(rm.numel(), device=u.device), (moved & (dw == 0)).sum(), (moved & (r < 0.5)).sum(),
-            (dw * u).sum(dtype=torch.float64), (u * u).sum(dtype=torch.float64), r_med, flip, nbase, small.sum(),
-            torch.tensor(u.numel(), device=u.device), res]
-    return torch.stack([torch.as_tensor(v, device=u.device).double() for v in vals])
+    s, dev = _scale_t(scale, wb), wb.device
+    small = fmt.min_normal if fmt.exp_bits else float(fmt.ulp(torch.tensor(0.0)))   # below: zero or subnormal code
+    args = (wb, u, wa, s, None if w_prev2 is None else w_prev2.detach().float(),
+            None if residual is None else residual.detach().float(), bool(view_stall),
+            torch.ones((), device=dev), torch.tensor(small, device=dev))
+    kern = _stats_kernel
+    if _want_compiled(wb, None) and _stats_compiled != [None]:
+        if not _stats_compiled: _stats_compiled.append(compile_kernel(_stats_kernel))
+        kern = _stats_compiled[0]
+    try: r, v = kern(*args, **_tensor_params(fmt, dev))
+    except Exception as e:
+        if kern is _stats_kernel: raise
+        _stats_compiled[:] = [None]
+        from altgrad.tracking import notice
+        notice(f"torch.compile of update_stats failed ({type(e).__name__}); using the eager kernel")
+        r, v = _stats_kernel(*args, **_tensor_params(fmt, dev))
+    rm = torch.masked_select(r, u != 0)
+    if rm.numel(): v[5] = lower_median(rm).double()
+    return v
 
 def stats_dict(v) -> dict[str, float]:
     "Rates from `update_stats` sums (or a sum of several): stall, pred_stall, rho, lost_update, flip_back, zero_frac..."

@@ -4,7 +4,6 @@
 
 # %% ../nbs/36_law.ipynb #36h84983
 from __future__ import annotations
-import math
 import numpy as np
 from .stats import finite, spearman
 
@@ -57,13 +56,15 @@ def law_fit(points: list, increasing: bool = True) -> dict:
     "The isotonic law through `points` (`{'fmt', 'x', 'y'}`, non-finite left out): R², LOFO error, and whether it is one curve."
     pts = [p for p in points if finite(p.get("x")) and finite(p.get("y"))]
     out = dict(n=len(pts), formats=sorted({p["fmt"] for p in pts}), increasing=increasing, r2=None, lofo_rmse=None,
-               sd_y=None, lofo_rel=None, one_curve=None, fit=None, per_format={})
+               sd_y=None, lofo_rel=None, r2_lofo=None, one_curve=None, fit=None, per_format={})
     if len(pts) < 3: return out
     x, y, g = [p["x"] for p in pts], [p["y"] for p in pts], [p["fmt"] for p in pts]
     fit = isotonic(x, y, increasing); lo = lofo_error(x, y, g, increasing)
     sd = float(np.std(y, ddof=1))
     out.update(fit=fit, r2=r_squared(y, iso_predict(fit, x)), lofo_rmse=lo["rmse"], sd_y=sd, per_format=lo["per_group"],
                lofo_rel=lo["rmse"] / sd if lo["rmse"] is not None and sd > 0 else None)
+    if out["lofo_rel"] is not None:     # out of sample: 1 − SS_lofo / SS_tot (an isotonic fit's in-sample R² flatters it)
+        out["r2_lofo"] = 1.0 - len(y) * lo["rmse"] ** 2 / ((len(y) - 1) * sd ** 2)
     if out["r2"] is not None and out["lofo_rel"] is not None:
         out["one_curve"] = out["r2"] >= ONE_CURVE["r2"] and out["lofo_rel"] <= ONE_CURVE["lofo_rel"]
     return out
@@ -85,12 +86,13 @@ def half_rise(fit: dict | None) -> dict | None:
     at = lambda q: float(x[np.argmax(y >= y[0] + q * span)])
     return dict(x_half=at(0.5), width=abs(at(0.9) - at(0.1)) / (abs(float(x[-1] - x[0])) or 1.0), rise=span)
 
-def law_text(name: str, L: dict, xname: str = "nearest's measured stall") -> str:
+def law_text(name: str, L: dict, xname: str = "nearest's predicted stall") -> str:
     "One paragraph on the law of `name` (e.g. 'the master-weight gap') from `law_fit`'s result, with the literature comparison."
     if L.get("r2") is None: return f"The law of {name} could not be fitted ({L.get('n', 0)} points with both numbers; at least 3 are needed)."
     s = (f"For {name}, one {'increasing' if L['increasing'] else 'decreasing'} curve of {xname} through all {L['n']} format × rate points "
          f"({len(L['formats'])} formats) explains R² = {L['r2']:.2f} of the variation; predicting each format from the others "
-         f"misses by {L['lofo_rmse']:.3f} nats RMSE ({L['lofo_rel']:.2f} × the points' SD of {L['sd_y']:.3f}). ")
+         f"misses by {L['lofo_rmse']:.3f} nats RMSE ({L['lofo_rel']:.2f} × the points' SD of {L['sd_y']:.3f}; out-of-sample "
+         f"R² = {L['r2_lofo']:.2f}). ")
     if L["one_curve"]: s += "The points fall on one curve: the stall, not the format as such, organises the effect. "
     else:
         why = [w for w, bad in (("the fit leaves most of the variation unexplained", L["r2"] < ONE_CURVE["r2"]),

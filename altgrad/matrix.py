@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 import numpy as np
-import matplotlib
 import matplotlib.pyplot as plt
 from .formats import get_format
 from .regimes import rule_of

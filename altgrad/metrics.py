@@ -5,7 +5,6 @@
 # %% ../nbs/14_metrics.ipynb #1650443a
 from __future__ import annotations
 import math
-from typing import Iterable
 import torch
 from torch import nn
 from .diagnostics import DeadNeuronTracker, grad_stats_batch, zero_update_count

@@ -5,7 +5,7 @@
 # %% ../nbs/11_model.ipynb #37021f8d
 from __future__ import annotations
 import math
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F

@@ -4,15 +4,16 @@
 
 # %% ../nbs/20_quantized.ipynb #64db4bd4
 from __future__ import annotations
-import dataclasses, fnmatch, re, sys
+import dataclasses, fnmatch, re
 from dataclasses import dataclass
 from functools import lru_cache
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .formats import COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_mode, get_format, quantize
-from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale
-from .diagnostics import bit_histogram, range_edges, stall_counts
+from .formats import (COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_kernel, compile_mode, get_format, quantize, _draw_seed,
+                             _kernel_nearest, _kernel_stochastic, _tensor_params, _want_compiled)
+from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale, scale_kernel
+from .diagnostics import bit_histogram, range_edges
 from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_distributed
 from .tracking import notice
 from .grid import (LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, land, regrid_scale, store_residual, update_stats, stats_dict, STAT_FIELDS,
@@ -72,21 +73,42 @@ def count_range(x: torch.Tensor, q: torch.Tensor, s, fmt) -> torch.Tensor:
     `q == 0`; the last entry is 1 if `x` holds inf or NaN. Compiled like `formats.quantize` (same size threshold and
     `ALTGRAD_COMPILE` switch), eager otherwise."""
     s = s if torch.is_tensor(s) else torch.tensor(float(s), device=x.device)
-    key = (fmt, x.device)
-    if key not in _edge_cache:
-        over, tie_up, _ = range_edges(fmt)
-        _edge_cache[key] = (torch.tensor(over, dtype=torch.float32, device=x.device), torch.tensor(tie_up, device=x.device))
-    over_t, tie_t = _edge_cache[key]
+    over_t, tie_t = _edges(fmt, x.device)
     mode = compile_mode()
     if (mode == "always" or (mode == "auto" and x.numel() >= COMPILE_MIN_NUMEL)) and not torch.compiler.is_compiling() \
             and _count_compiled != [None]:
         try:
-            if not _count_compiled: _count_compiled.append(torch.compile(_count_kernel, dynamic=True))
+            if not _count_compiled: _count_compiled.append(compile_kernel(_count_kernel))
             return _count_compiled[0](x, q, s, over_t, tie_t)
         except Exception as e:
             _count_compiled[:] = [None]
             notice(f"torch.compile of the range counters failed ({type(e).__name__}); using eager kernels")
     return _count_kernel(x, q, s, over_t, tie_t)
+
+def _edges(fmt, device) -> tuple[torch.Tensor, torch.Tensor]:
+    "`diagnostics.range_edges(fmt)`'s overflow edge and tie flag as tensors on `device` (cached)."
+    key = (fmt, device)
+    if key not in _edge_cache:
+        over, tie_up, _ = range_edges(fmt)
+        _edge_cache[key] = (torch.tensor(over, dtype=torch.float32, device=device), torch.tensor(tie_up, device=device))
+    return _edge_cache[key]
+
+def _operand_kernel(x, hist, use_hist, given, use_given, target, prev, seed, over, tie_up, lo, hi, m, mx, ovf, par, m0):
+    """One operand's quantization with a per-tensor scale, in one pass: `(q, scale, counts, amax of x)`.
+
+    The scale is `given` (`use_given`), or `scaling.scale_kernel` of the history's amax (`use_hist`; `hist` the whole
+    ring buffer: unfilled rows are 0 and amaxes are >= 0, so its max is that of the filled rows), or of `x`'s own amax;
+    Q is `formats`' nearest or stochastic kernel (`seed`), the counts those of `count_range`. Every argument but `seed`
+    is always a tensor of one shape, so that one compiled graph serves every call (dynamo recompiles per variant)."""
+    ax = x.abs().amax()
+    a = torch.where(use_hist, torch.where(torch.isfinite(hist), hist, torch.zeros_like(hist)).amax(dim=0), ax)
+    s = torch.where(use_given, given, scale_kernel(a, target, prev)[0])
+    p = dict(lo=lo, hi=hi, m=m, mx=mx, ovf=ovf, par=par, m0=m0)
+    q = _kernel_nearest(x, s, **p) if seed is None else _kernel_stochastic(x, s, seed, **p)
+    return q, s, _count_kernel(x, q, s, over, tie_up), ax
+
+_operand_compiled: list = []    # [compiled `_operand_kernel`] once built; [None] if compiling failed
+_const_cache: dict = {}          # small constant tensors of the fused path, per device
 
 class TensorQuantizer(nn.Module):
     "Format, scaling state (amax history, last scale) and counters of one GEMM operand (W, A or G)."
@@ -136,32 +158,77 @@ class TensorQuantizer(nn.Module):
     def _generator(self, train: bool) -> torch.Generator | None:
         "The stream of the next stochastic rounding (training steps only; evaluation rounds to nearest)."
         if self.rounding != "stochastic" or not train: return None
-        g = sr_generator(self.sr_seed, self._sr_n, *((self.sr_rank,) if self.sr_rank else ()))
+        g = self._stream(self._sr_n)
         self._sr_n += 1; self.sr_count.fill_(self._sr_n)
         return g
+
+    def _stream(self, n: int) -> torch.Generator:
+        "The generator of this operand's `n`-th stochastic rounding (and this rank's, under data parallelism)."
+        return sr_generator(self.sr_seed, n, *((self.sr_rank,) if self.sr_rank else ()))
 
     def quantize(self, x: torch.Tensor, train: bool = False, cap: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
         """$Q(x; s)$ in float32; `train` records amax, scale and counters; `cap` clamps to the scale's range first.
 
-        `scale` (weights on the grid) quantizes with that scale instead and records no amax: the grid owns it."""
+        `scale` (weights on the grid) quantizes with that scale instead and records no amax: the grid owns it.
+        Per-tensor scaling of a large tensor runs as one fused kernel (`_operand_kernel`), bit for bit the same."""
         x = x.detach().float()
+        gen = self._generator(train)
+        if self.granularity == "tensor" and not cap and x.numel() and not (train and self.sync_amax and not self.delayed) \
+                and _want_compiled(x, None) and _operand_compiled != [None]:
+            q = self._quantize_fused(x, train, scale, gen)
+            if q is not None: return q
+            if gen is not None: gen = self._stream(self._sr_n - 1)       # the same stream again (the fused call drew from it)
         if scale is None: amax, scale = self.compute_scale(x, train)
         else: amax = None
         s = expand_scale(scale, x, self.granularity, self.block_size)
         if cap:
             lim = self.fmt.max_value / s
             x = torch.clamp(x, -lim, lim)
-        gen = self._generator(train)
         q = quantize(x, self.qfmt, s, rounding="stochastic" if gen is not None else "nearest", generator=gen)
-        if train:
-            if self.delayed and amax is not None:
-                if self.defer: self._pending = amax if self._pending is None else torch.maximum(self._pending, amax)
-                else: self.history.update(amax)
-            self._buffers["scale"] = scale          # (plain dict write: a buffer assignment per call costs more)
-            self.counts += count_range(x, q, s, self.fmt)
-            self.total += x.numel()
-            if self.retain: self.last = q
+        if train: self._record(x, q, scale, amax, count_range(x, q, s, self.fmt))
         return q
+
+    def _quantize_fused(self, x: torch.Tensor, train: bool, scale, gen) -> torch.Tensor | None:
+        """`quantize` for per-tensor scaling in one compiled call: scale (from the history or `x`), Q, range counts, amax.
+        None if compiling failed (then nothing was recorded, and the caller takes the general path)."""
+        dev, c = x.device, _const_cache
+        w = self.history.window if self.history is not None else 1
+        use_hist = scale is None and self.delayed and self.history.initialized
+        if use_hist:
+            h, n = self.history.history, self.history._n
+            hist = h if self.history.algo == "max" else h[(n - 1) % w].repeat(w)
+        else: hist = c.setdefault(("zeros", w, dev), torch.zeros(w, device=dev))
+        key = (self.fmt, self.margin, dev)
+        if key not in c: c[key] = torch.tensor(self.fmt.max_value / 2.0 ** self.margin, dtype=torch.float32, device=dev)
+        one = c.setdefault(("one", dev), torch.ones((), device=dev))
+        flag = lambda role, b: c.setdefault((role, bool(b), dev), torch.tensor(bool(b), device=dev))   # one tensor per role
+        given = c.setdefault(("given", dev), torch.ones((), device=dev)) if scale is None else scale.reshape(())
+        prev = self.scale if self.scale.dim() == 0 else one
+        if prev is given: prev = prev.clone()      # (dynamo guards on aliased arguments: one graph needs distinct tensors)
+        over, tie = _edges(self.fmt, dev)
+        seed = _draw_seed(gen, dev) if gen is not None else None
+        try:
+            if not _operand_compiled: _operand_compiled.append(compile_kernel(_operand_kernel))
+            # flat and detached: no view of another tensor (whose strides dynamo would guard), one rank for every operand
+            q, s, counts, amax = _operand_compiled[0](x.reshape(-1).detach(), hist, flag("hist", use_hist), given, flag("given", scale is not None),
+                                                      c[key], prev, seed, over, tie, **_tensor_params(self.qfmt, dev))
+        except Exception as e:                # no C++ compiler / triton, an unsupported device...
+            _operand_compiled[:] = [None]
+            notice(f"torch.compile of the fused operand kernel failed ({type(e).__name__}); using eager kernels")
+            return None
+        q = q.view(x.shape)
+        if train: self._record(x, q, s if scale is None else scale, amax if scale is None else None, counts)
+        return q
+
+    def _record(self, x, q, scale, amax, counts):
+        "Training bookkeeping of one quantization: push the amax (delayed), keep the scale, add the range counts."
+        if self.delayed and amax is not None:
+            if self.defer: self._pending = amax if self._pending is None else torch.maximum(self._pending, amax)
+            else: self.history.update(amax)
+        self._buffers["scale"] = scale          # (plain dict write: a buffer assignment per call costs more)
+        self.counts += counts
+        self.total += x.numel()
+        if self.retain: self.last = q
 
     def commit_history(self):
         "Push the pending amax (max over this optimizer step's micro-batches) into the history (`defer` mode)."
@@ -497,9 +564,8 @@ def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict 
             m.updates += 1
         elif q.scale.numel():
             se = expand_scale(q.scale, w, q.granularity, q.block_size)
-            st = update_stats(before, u, w.detach(), q.qfmt, se)      # fidelity of the stored (FP32) weight
-            st[1] = stall_counts(before, u, q.qfmt, se)[0].to(st)     # stall of the quantized view the forward uses
-            m._stall = st
+            # fidelity of the stored (FP32) weight; stall of the quantized view the forward uses
+            m._stall = update_stats(before, u, w.detach(), q.qfmt, se, view_stall=True)
             m._last_update = (before, u, se)
     return {}
 

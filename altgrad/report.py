@@ -643,7 +643,7 @@ def _failure_lines(run: Run, out: Path) -> list[str]:
     L = ["## Failure analysis", ""]
     if fa is None: return L + ["The loss stayed finite for the whole run.", ""]
     return L + [f"- **First NaN:** step {fa['step']}", f"- **Where it started:** {fa['origin'] or 'unknown'}",
-                f"- **Loss just before:** " + ", ".join(f"step {s}: {fmt_num(v)}" for s, v in fa["losses_before"]),
+                "- **Loss just before:** " + ", ".join(f"step {s}: {fmt_num(v)}" for s, v in fa["losses_before"]),
                 f"- **Global gradient norm just before:** {fmt_num(fa['grad_norm_before'])}",
                 "- **Highest overflow rates just before:** " + (", ".join(f"{k[9:]} {fmt_num(v, '.3g')}" for k, v in fa["top_overflow"]) or "none logged"),
                 "- **Largest gradient L∞ norms just before:** " + (", ".join(f"{k[15:]} {fmt_num(v, '.3g')}" for k, v in fa["top_grad_norm"]) or "none logged"),

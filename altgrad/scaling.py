@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 import torch
 from torch import nn
-from .formats import FP8Format, get_format, quantize
+from .formats import get_format, quantize
 
 # %% auto #0
-__all__ = ['SCALE_MIN', 'SCALE_MAX', 'GRANULARITIES', 'CLIP_K', 'AMAX_ALGOS', 'compute_scale', 'num_groups', 'amax_of',
-           'expand_scale', 'quantize_scaled', 'current_scale', 'partition_mean_abs', 'partition_clip', 'AmaxHistory']
+__all__ = ['SCALE_MIN', 'SCALE_MAX', 'GRANULARITIES', 'CLIP_K', 'AMAX_ALGOS', 'compute_scale', 'scale_kernel', 'num_groups',
+           'amax_of', 'expand_scale', 'quantize_scaled', 'current_scale', 'partition_mean_abs', 'partition_clip',
+           'AmaxHistory']
 
 # %% ../nbs/01_scaling.ipynb #3a8ee4d4
 SCALE_MIN, SCALE_MAX = 2.0 ** -126, 2.0 ** 126  # clamp range of every scale (powers of two, normal float32)
@@ -19,12 +20,6 @@ SCALE_MIN, SCALE_MAX = 2.0 ** -126, 2.0 ** 126  # clamp range of every scale (po
 def _floor_pow2(s: torch.Tensor) -> torch.Tensor:
     "Largest power of two <= `s` (positive, normal float32): clear the mantissa bits."
     return (s.view(torch.int32) & 0x7F800000).view(torch.float32)
-
-def _sanitize_prev(prev, like: torch.Tensor) -> torch.Tensor:
-    "Previous scale broadcast to `like` (float32); unusable entries (0, negative, inf, NaN) become 1.0."
-    if prev is None: return torch.ones_like(like)
-    p = torch.as_tensor(prev, dtype=torch.float32, device=like.device).expand_as(like)
-    return torch.where(torch.isfinite(p) & (p > 0), p, torch.ones_like(p))
 
 def compute_scale(amax, fmt, margin: float = 0, power_of_two: bool = False, prev=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale(s) mapping `amax` to `fmt.max_value / 2**margin`, elementwise: returns `(scale, ok)` shaped like `amax`.
@@ -34,13 +29,19 @@ def compute_scale(amax, fmt, margin: float = 0, power_of_two: bool = False, prev
     fmt = get_format(fmt)
     a = torch.as_tensor(amax).detach().to(torch.float32)
     target = torch.tensor(fmt.max_value / 2.0 ** margin, dtype=torch.float32, device=a.device)
+    p = torch.ones((), device=a.device) if prev is None else torch.as_tensor(prev, dtype=torch.float32, device=a.device).expand_as(a)
+    return scale_kernel(a, target, p, power_of_two)
+
+def scale_kernel(a: torch.Tensor, target: torch.Tensor, prev: torch.Tensor, power_of_two: bool = False):
+    "`compute_scale`'s arithmetic on float32 tensors only (`prev` broadcastable to `a`): it compiles into callers' kernels."
     ok = torch.isfinite(a) & (a > 0)
     safe_a = torch.where(ok, a, torch.ones_like(a))
     s = target / safe_a
     s = torch.where(safe_a * s > target, torch.nextafter(s, torch.zeros_like(s)), s)  # undo an upward rounding
     s = s.clamp(SCALE_MIN, SCALE_MAX)                                  # inf (tiny amax) is clamped too
     if power_of_two: s = _floor_pow2(s)
-    return torch.where(ok, s, _sanitize_prev(prev, a)), ok
+    p = torch.where(torch.isfinite(prev) & (prev > 0), prev, torch.ones_like(prev))   # unusable previous scale: 1.0
+    return torch.where(ok, s, p), ok
 
 # %% ../nbs/01_scaling.ipynb #ba9cadcd
 GRANULARITIES = ("tensor", "channel", "block")

@@ -29,19 +29,30 @@ def t_crit(df: int, conf: float = 0.95, use_scipy: bool | None = None) -> float:
     """Two-sided critical value of Student's t: the (1+conf)/2 quantile with `df` degrees of freedom.
 
     `scipy.stats.t.ppf` where scipy is importable (`use_scipy=None`; `True` requires it), else (or with
-    `use_scipy=False`) the built-in table: conf=0.95 only, df 1..30 to 6 decimals, beyond that interpolated in 1/df."""
+    `use_scipy=False`) the built-in table for conf=0.95 (df 1..30 to 6 decimals, beyond that interpolated in 1/df)
+    and, for any other conf, bisection on `t_two_sided_p` (Holm and Bonferroni levels, power at any alpha)."""
     if isinstance(df, bool) or not isinstance(df, (int, np.integer)) or df < 1:
         raise ValueError(f"df must be an integer >= 1, got {df!r}")
     if not 0 < conf < 1: raise ValueError(f"conf must be in (0, 1), got {conf!r}")
     st = scipy_stats() if use_scipy is not False else None
     if use_scipy and st is None: raise ImportError("use_scipy=True but scipy is not installed")
     if st is not None: return float(st.t.ppf((1 + conf) / 2, int(df)))
-    if abs(conf - 0.95) > 1e-12: raise ValueError(f"without scipy only conf=0.95 is tabulated, got conf={conf}; install scipy")
+    if abs(conf - 0.95) > 1e-12: return _t_crit_bisect(int(df), conf)
     if df <= 30: return T975[int(df) - 1]
     for (d0, t0), (d1, t1) in zip(_T975_TAIL, _T975_TAIL[1:]):
         if d0 <= df <= d1:
             x0, x1, x = 1 / d0, 1 / d1, 1 / df          # 1/inf = 0
             return t1 + (t0 - t1) * (x - x1) / (x0 - x1)
+
+def _t_crit_bisect(df: int, conf: float) -> float:
+    "The two-sided critical value at `conf` by bisection on `t_two_sided_p` (defined below; any conf, no scipy)."
+    alpha, lo, hi = 1 - conf, 0.0, 1.0
+    while t_two_sided_p(hi, df) > alpha: lo, hi = hi, 2 * hi
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if t_two_sided_p(mid, df) > alpha: lo = mid
+        else: hi = mid
+    return (lo + hi) / 2
 
 # %% ../nbs/28_stats.ipynb #28a00009
 def finite(v) -> bool:

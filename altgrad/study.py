@@ -4,7 +4,7 @@
 
 # %% ../nbs/32_study.ipynb #32a00002
 from __future__ import annotations
-import dataclasses, json, math, shlex, shutil, sys
+import dataclasses, fcntl, json, math, shlex, shutil, sys
 from dataclasses import dataclass, field, asdict
 from fractions import Fraction
 from pathlib import Path
@@ -15,23 +15,23 @@ from .optim import default_lr_scale
 from .regimes import get_rule, UPDATE_RULES
 from .runs import final_loss
 from .stats import finite
-from .tracking import compact_metrics, compact_run, metrics_file, METRICS_COMPACT, METRICS_JSONL
-from .trainer import Interrupted, Trainer, run_state
+from .tracking import compact_run, metrics_file
+from .trainer import Trainer, run_state
 from .sweep import portable, check_run, config_diff, resolve_preset, saved_config
 
 # %% auto #0
 __all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER', 'REF_PRECISIONS', 'SEED_EXPECTATIONS',
-           'STUDY_KEYS', 'STUDY_DEFAULTS', 'INPUTS_FILE', 'DECISIVE_RULES', 'TUNING_SEEDS', 'HELDOUT_SEEDS',
-           'CHOICE_RULE', 'CPU_STEP_SECONDS', 'RUN_OVERHEAD_SECONDS', 'mult_label', 'parse_mults', 'lr_scale_for',
-           'distinct_formats', 'normalize_rules', 'StudyPlan', 'study_defaults', 'make_plan', 'RunSpec',
+           'STUDY_KEYS', 'STUDY_DEFAULTS', 'INPUTS_FILE', 'DECISIVE_RULES', 'ANALYSIS_RULES', 'TUNING_SEEDS',
+           'HELDOUT_SEEDS', 'CHOICE_RULE', 'CPU_STEP_SECONDS', 'RUN_OVERHEAD_SECONDS', 'mult_label', 'parse_mults',
+           'lr_scale_for', 'distinct_formats', 'normalize_rules', 'StudyPlan', 'study_defaults', 'make_plan', 'RunSpec',
            'reference_spec', 'format_spec', 'lr_specs', 'seed_specs', 'cell_specs', 'parse_shard', 'shard_specs',
            'trivial_choice', 'run_dir', 'spec_config', 'resumable', 'finalize_run', 'train_spec', 'execute',
            'collect_runs', 'choose_lr', 'lr_key', 'load_lr_choice', 'json_safe', 'write_lr_choice', 'resolve_choice',
-           'join_names', 'regenerate_command', 'model_inputs', 'write_inputs', 'Protocol', 'make_protocol',
-           'decisive_plan', 'tuning_specs', 'choose_bracketed', 'bracket_grid', 'bracket_grids', 'decisive_lr_specs',
-           'decisive_seed_specs', 'decisive_choice', 'name_shard', 'check_inputs', 'write_decisive_inputs',
-           'decisive_command', 'estimate_seconds', 'decisive_estimate', 'estimate_text', 'measure_step_seconds',
-           'parse_step_seconds']
+           'join_names', 'regenerate_command', 'model_inputs', 'vocab_inputs', 'write_inputs', 'Protocol',
+           'make_protocol', 'decisive_plan', 'tuning_specs', 'choose_bracketed', 'bracket_grid', 'bracket_grids',
+           'decisive_lr_specs', 'decisive_seed_specs', 'decisive_choice', 'name_shard', 'check_inputs',
+           'write_decisive_inputs', 'decisive_command', 'estimate_seconds', 'decisive_estimate', 'estimate_text',
+           'measure_step_seconds', 'parse_step_seconds']
 
 # %% ../nbs/32_study.ipynb #32a00005
 DISTINCT_FORMATS = ("E0M7", "E2M5", "E3M4", "E4M3", "E5M2", "E6M1", "E7M0")
@@ -397,14 +397,21 @@ def model_inputs(plan: StudyPlan) -> dict:
     n = sum(p.numel() for p in m.parameters())
     # the weights that live on the 8-bit grid: the Linear layers of the blocks (the tied embedding / LM head stays FP32)
     grid = sum(mod.weight.numel() for name, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) and name.startswith("transformer.h."))
-    keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "lr", "min_lr", "warmup_steps", "eval_interval", "eval_iters")
+    keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "lr", "min_lr", "warmup_steps", "eval_interval",
+            "eval_tokens" if cfg.eval_tokens else "eval_iters")
     # the study runs every run in one process (never under torchrun), so one process's tokens per step is the whole step
     return dict(model={k: getattr(cfg, k) for k in keys}, num_params=n, grid_params=grid, tokens=plan.steps * cfg.tokens_per_step)
 
+def vocab_inputs(plan: StudyPlan, data) -> dict:
+    """The vocabulary the study's model predicts (name, size, coverage) and the unigram baseline *on that vocabulary*
+    (a compact top-K vocabulary has its own, lower baseline: the loss and the baseline must be on the same classes)."""
+    from altgrad.data import unigram_baseline, data_for_vocab, vocab_info
+    d = data_for_vocab(data, load_config(plan.preset, **plan.overrides).vocab_size)
+    return dict(unigram=unigram_baseline(d), vocab=vocab_info(d))
+
 def write_inputs(out, plan: StudyPlan, data, data_dir, choice: dict) -> Path:
     "Write `out/study_inputs.json`: what the write-up needs besides the run folders."
-    from altgrad.data import unigram_baseline
-    inputs = dict(plan=plan.to_dict(), unigram=unigram_baseline(data), lr_choice=json_safe(choice), out=portable(out),
+    inputs = dict(plan=plan.to_dict(), **vocab_inputs(plan, data), lr_choice=json_safe(choice), out=portable(out),
                   command=regenerate_command(plan, portable(out), data_dir), **model_inputs(plan),
                   estimate_seconds=estimate_seconds(plan)["seconds"] if plan.preset == "cpu" else None,
                   expectations=list(SEED_EXPECTATIONS))
@@ -414,6 +421,17 @@ def write_inputs(out, plan: StudyPlan, data, data_dir, choice: dict) -> Path:
 
 # %% ../nbs/32_study.ipynb #32h851db
 DECISIVE_RULES = ("fp32", "nearest", "stochastic", "kahan", "madam")
+ANALYSIS_RULES = dict(    # how the answer reads the held-out runs; written into the study's inputs before the seed phase
+    headline="the format × grid-aware rule cell with the largest mean held-out benefit over nearest (one of m cells): its 95% "
+             "t-interval, a simultaneous (Bonferroni, 1 − 0.05/m) interval, and Holm's p over the m cells; it is 'resolved' "
+             "only when Holm's p < 0.05",
+    alpha=0.05, power=0.8,
+    law="x: nearest's predicted stall (share of its non-zero updates below half a grid step, mean over the run) at each "
+        "format × multiplier, mean over the tuning seeds; y: each regime's paired benefit over nearest (fp32: the master-weight "
+        "gap); one isotonic curve through all points; 'one curve' when the in-sample R² ≥ 0.7 and the leave-one-format-out RMSE "
+        "≤ 0.6 × the points' SD (an out-of-sample R² of at least 1 − 0.36·n/(n − 1): 0.62 for 21 points)",
+    correlation="Spearman across the formats of nearest's predicted stall (held-out seeds) and each rule's benefit, exact "
+                "permutation p (two-sided)")
 TUNING_SEEDS, HELDOUT_SEEDS = (42, 43, 44), (45, 46, 47, 48, 49, 50)
 CHOICE_RULE = ("per regime, the multiplier with the fewest failed tuning runs, then the lowest mean final validation loss over "
                "every format and tuning seed; ties go to the smaller multiplier")
@@ -519,15 +537,30 @@ def check_inputs(out, inputs: dict) -> None:
             raise ConfigError(f"{p} fixed another {k} ({'; '.join(diff) or 'different keys'}); use another --out or the same options")
 
 def write_decisive_inputs(out, plan: StudyPlan, proto: Protocol, data, data_dir, choice: dict | None, step_seconds: dict | None = None) -> Path:
-    "Write `out/study_inputs.json` for the decisive protocol (`choice`: None before the seed phase)."
-    from altgrad.data import unigram_baseline
-    inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram_baseline(data), lr_choice=json_safe(choice),
-                  out=portable(out), command=decisive_command(plan, proto, portable(out), data_dir), **model_inputs(plan),
-                  expectations=list(SEED_EXPECTATIONS), step_seconds=step_seconds)
+    """Write `out/study_inputs.json` for the decisive protocol (`choice`: None before the seed phase).
+
+    A learning-rate choice, once written, is kept (a shard that has not seen it yet passes None) and never replaced by
+    a different one: every process derives it from the same finished tuning runs, so a difference is an error."""
+    inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), **vocab_inputs(plan, data), lr_choice=json_safe(choice),
+                  analysis=ANALYSIS_RULES, out=portable(out), command=decisive_command(plan, proto, portable(out), data_dir),
+                  **model_inputs(plan), expectations=list(SEED_EXPECTATIONS), step_seconds=step_seconds)
     check_inputs(out, inputs)
     p = Path(out) / INPUTS_FILE
-    if choice is None and p.exists(): return p          # fixed already (a shard must not erase a choice written since)
-    p.write_text(json.dumps(json_safe(inputs), indent=1) + "\n")
+    with open(Path(out) / ".study_inputs.lock", "w") as lock:     # shards share the folder: read, merge and write as one
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _merge_inputs(p, inputs, choice, step_seconds)
+
+def _merge_inputs(p: Path, inputs: dict, choice, step_seconds) -> Path:
+    "Write `inputs` to `p`, keeping a learning-rate choice (and step times) already there; refuse a different choice."
+    from altgrad.checkpoint import atomic_write_text
+    old = json.loads(p.read_text()) if p.exists() else {}
+    if old.get("lr_choice") is not None:
+        if choice is not None and json_safe(old["lr_choice"]["mults"]) != json_safe(choice["mults"]):
+            raise ConfigError(f"{p} fixed the learning-rate multipliers {old['lr_choice']['mults']}, the tuning runs here give "
+                              f"{choice['mults']}; the choice is fixed before the seed phase (use another --out)")
+        inputs["lr_choice"] = old["lr_choice"]
+    if old.get("step_seconds") and not step_seconds: inputs["step_seconds"] = old["step_seconds"]
+    atomic_write_text(json.dumps(json_safe(inputs), indent=1) + "\n", p)
     return p
 
 def decisive_command(plan: StudyPlan | dict, proto: Protocol | dict, out, data_dir: str | None = None) -> str:

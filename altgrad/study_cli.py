@@ -112,7 +112,7 @@ def run_decisive(plan: StudyPlan, proto: Protocol, out="outputs/study", shard=No
         log(f"[altgrad-study] {tag}: tuning: {counts['reused']} reused, {counts['trained']} trained")
         log(f"[altgrad-study] {tag}: the tuning runs of other shards are not finished yet; rerun this command (or --collect) when they are")
         return dict(status="waiting-for-lr", answer=None, counts=counts, choice=None)
-    if not shard: write_decisive_inputs(out, plan, proto, data, data_dir, choice)
+    write_decisive_inputs(out, plan, proto, data, data_dir, choice)   # fixed before the seed phase (by whichever process gets here first)
     do(decisive_seed_specs(plan, proto, choice["mults"]), f"{tag}: held-out seeds")
     log(f"[altgrad-study] {tag}: " + (f"{counts['present']} already here, {counts['copied']} collected" if collect else
                                       f"{counts['reused']} reused, {counts['trained']} trained"))

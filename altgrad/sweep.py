@@ -4,7 +4,7 @@
 
 # %% ../nbs/31_sweep.ipynb #9d0ef880
 from __future__ import annotations
-import argparse, hashlib, json, math, re, shutil, sys, time
+import argparse, hashlib, json, re, shutil, sys, time
 from pathlib import Path
 import numpy as np
 import yaml
@@ -12,8 +12,8 @@ import torch
 from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides, missing_keys
 from .formats import get_format, grid_equivalent, equivalent_formats
 from .regimes import UPDATE_RULES, get_rule
-from .runs import Run, load_run, load_runs, read_summary, REUSED_FILE, reuse_marker
-from .report import run_summary, write_report, write_summary, fmt_num, short_layer, model_layers, nan_origin
+from .runs import Run, load_run, read_summary, REUSED_FILE
+from .report import run_summary, write_summary, short_layer, model_layers, nan_origin
 
 # %% auto #0
 __all__ = ['SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'IGNORED_KEYS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'FINISHED', 'WRITEUP_FILES',
@@ -165,7 +165,7 @@ def run_plan(run_dir, cfg, finished=FINISHED) -> tuple[str, Run | None, list[str
     if reason in (*finished, "interrupted"):
         diff = config_reasons(run_dir, cfg)
         if diff: return "conflict", None, diff
-        if reason == "interrupted": return "resume", None, [f"stopped_reason='interrupted': resumable"]
+        if reason == "interrupted": return "resume", None, ["stopped_reason='interrupted': resumable"]
     run, why = check_run(run_dir, cfg, finished)
     return ("reuse", run, []) if run is not None else ("train", None, why)
 

@@ -32,10 +32,11 @@ from .tracking import NullTracker
 from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists', 'run_state', 'config_changes',
-           'move_to_previous', 'claim_out_dir', 'Trainer', 'decay_factors', 'lr_scale_of', 'grid_params',
-           'quantized_cosine', 'layer_census', 'eval_windows', 'window_batch', 'check_ranks_agree', 'Interrupted',
-           'catch_interrupts', 'progress_label', 'train_cli', 'bench_train']
+__all__ = ['RUN_FILES', 'TRAIN_TARGET', 'PROFILE_REGIONS', 'lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists',
+           'run_state', 'config_changes', 'move_to_previous', 'claim_out_dir', 'Trainer', 'decay_factors',
+           'lr_scale_of', 'grid_params', 'quantized_cosine', 'layer_census', 'eval_windows', 'window_batch',
+           'check_ranks_agree', 'Interrupted', 'catch_interrupts', 'progress_label', 'train_cli', 'layer_time_share',
+           'bench_train']
 
 # %% ../nbs/17_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -280,7 +281,8 @@ def train_step(self: Trainer) -> dict:
         if cfg.grad_clip > 0: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         quantized.quant_pre_step(model, before)
         self.optimizer.step()
-        m.update(quantized.quant_post_step(model, decay_factors(self.optimizer, self.cfg.optimizer), getattr(self.optimizer, "intended", None)) or {})
+        with torch.profiler.record_function("altgrad.quant_post_step"):     # (a label for `layer_time_share`; free otherwise)
+            m.update(quantized.quant_post_step(model, decay_factors(self.optimizer, self.cfg.optimizer), getattr(self.optimizer, "intended", None)) or {})
         m.update(zero_update_metrics(before, model))
         self.nan_streak = 0
     else:
@@ -289,7 +291,7 @@ def train_step(self: Trainer) -> dict:
         m.update({"nan/loss": float(bool(src["loss"])), "nan/grads": len(src["grads"]), "nan/streak": self.nan_streak,
                   "nan/source": "loss" if src["loss"] else (src["grads"][-1] if src["grads"] else "unknown")})
     self.optimizer.zero_grad(set_to_none=True)
-    m.update(quantized.quant_metrics(model))
+    with torch.profiler.record_function("altgrad.quant_metrics"): m.update(quantized.quant_metrics(model))
     m.update({"train/loss": loss_v, "train/lr": lr, "train/tokens": step * self.tokens_per_step,
               "train/skipped": float(not finite)})
     if math.isfinite(loss_v): m["divergence"] = float(self.divergence.update(loss_v))
@@ -645,28 +647,53 @@ def train_cli(argv: list[str] | None = None) -> int:
 if __name__ == "__main__": sys.exit(train_cli())
 
 # %% ../nbs/17_trainer.ipynb #78957198
+TRAIN_TARGET = 1.15      # goal: the 8-bit step (FP32 master weights) over the plain step of the same preset
+
+PROFILE_REGIONS = {"share_in_8bit_layers": ("_QuantizedLinearFn", "_QuantizedLinearFnBackward"),
+                   "share_in_quant_post_step": ("altgrad.quant_post_step",), "share_in_quant_metrics": ("altgrad.quant_metrics",)}
+
+def layer_time_share(trainer, steps: int = 10, top: int = 12) -> dict:
+    """Shares of `trainer`'s wall time over `steps` steps (CPU profiler, so CPU runs only: on a GPU it would count launch
+    time) spent in `PROFILE_REGIONS`: inside the 8-bit layers (forward and backward of every `QuantizedLinear`: their
+    GEMMs, quantization and counters), in `quant_post_step` (grid landing and update statistics) and in `quant_metrics`;
+    and the operators with the most self time. Numerators and denominator are inflated alike by the profiler's overhead;
+    `wall_per_step` is measured under the profiler and is not comparable with `bench_train`'s step times."""
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps): trainer.train_step()
+        wall = time.perf_counter() - t0
+    ev = prof.key_averages()
+    share = {k: sum(e.cpu_time_total for e in ev if e.key in keys) / 1e6 / wall for k, keys in PROFILE_REGIONS.items()}
+    ops = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return dict(steps=steps, wall_per_step=wall / steps, **share,
+                top_self_time_share={e.key: round(e.self_cpu_time_total / 1e6 / wall, 4) for e in ops})
+
 def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, data_dir: str | None = None,
-                warmup: int = 3, **overrides) -> dict:
-    "Median step time of plain / +shadow (/ fmt / fmt+shadow) trainers of `preset`, interleaved; ratios to plain."
+                warmup: int = 3, profile: int = 0, shadow: bool = True, **overrides) -> dict:
+    """Median step time of plain (/ +shadow) (/ fmt / fmt+shadow) trainers of `preset`, interleaved; ratios to plain.
+
+    The goal `TRAIN_TARGET` is the 8-bit step over the plain one. `profile` > 0 adds `layer_time_share` of the 8-bit
+    trainer over that many further steps (the profile that explains the ratio)."""
+    from altgrad.bench import interleave_steps
     with tempfile.TemporaryDirectory() as tmp:
         if data_dir is None:
             from altgrad.data import prepare_eurlex, shared_data_dir
             sd = shared_data_dir()
             data_dir = str(Path(tmp) / "data")
             prepare_eurlex(data_dir, source=(sd / "eurlex") if sd else None, max_docs=200, progress=False)
-        variants = {"plain": dict(fmt=None, shadow=False), "shadow": dict(fmt=None, shadow=True)}
-        if fmt: variants.update({fmt: dict(fmt=fmt, shadow=False), f"{fmt}+shadow": dict(fmt=fmt, shadow=True)})
+        variants = {"plain": dict(fmt=None, shadow=False), **({"shadow": dict(fmt=None, shadow=True)} if shadow else {})}
+        if fmt: variants.update({fmt: dict(fmt=fmt, shadow=False), **({f"{fmt}+shadow": dict(fmt=fmt, shadow=True)} if shadow else {})})
         trainers = {k: Trainer(load_config(preset, data_dir=str(data_dir), out_dir=str(Path(tmp) / k.replace("+", "_")),
-                                           max_steps=warmup + steps, wandb_mode="disabled", **{**overrides, **v}), progress=False)
+                                           max_steps=warmup + steps + profile, wandb_mode="disabled", **{**overrides, **v}), progress=False)
                     for k, v in variants.items()}
-        times = {k: [] for k in trainers}
-        for i in range(warmup + steps):
-            for k, t in trainers.items():
-                dt = t.train_step()["perf/step_time"]
-                if i >= warmup: times[k].append(dt)
+        times = interleave_steps(trainers, steps, warmup)
+        prof = layer_time_share(trainers[fmt], profile) if fmt and profile > 0 else None
         tps = next(iter(trainers.values())).tokens_per_step
         device = next(iter(trainers.values())).device
     med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = {k: v / med["plain"] for k, v in med.items()}
+    goal = dict(targets={fmt: TRAIN_TARGET}, met=ratio[fmt] <= TRAIN_TARGET) if fmt else {}
     return dict(preset=preset, fmt=fmt, steps=steps, device=device, threads=torch.get_num_threads(), torch=torch.__version__,
-                tokens_per_step=tps, step_time=med, tokens_per_sec={k: tps / v for k, v in med.items()},
-                ratio={k: v / med["plain"] for k, v in med.items()})
+                tokens_per_step=tps, step_time=med, tokens_per_sec={k: tps / v for k, v in med.items()}, ratio=ratio, **goal,
+                **({"profile": prof} if prof else {}))

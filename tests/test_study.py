@@ -298,14 +298,15 @@ def test_decisive_trains_in_shards_and_resumes(study, tmp_path):
     logs = [inproc(*args, "--out", out, "--shard", f"{i}/2") for i in (0, 1, 0)]
     assert all(rc == 0 for rc, _ in logs), [log[-1500:] for _, log in logs]
     inputs = json.loads((out / "study_inputs.json").read_text())
-    assert inputs["protocol"]["tuning_seeds"] == [42] and inputs["lr_choice"] is None      # written before any run; shards never choose
+    choice = inputs["lr_choice"]                     # the protocol is written before any run; the choice before the seed phase
+    assert inputs["protocol"]["tuning_seeds"] == [42] and choice is not None and inputs["vocab"]["size"] and inputs["analysis"]
     rc, log = inproc(*args, "--out", out)
     assert rc == 0 and "0 trained" in log and "resuming" not in log, log[-2000:]
     st = json.loads((out / "study.json").read_text())
     assert st["complete"] and len(names(out)) == 2 * 2 + 2 * (2 + 2) == len(st["runs"])          # tuning + held-out (refs + cells)
     assert sum(map(trained, [l for _, l in logs])) == len(names(out))
     assert all(g["status"] in ("bracketed", "unbracketed") for g in st["lr_choice"]["grids"].values())
-    assert json.loads((out / "study_inputs.json").read_text())["lr_choice"]["mults"] == st["lr_choice"]["mults"]
+    assert json.loads((out / "study_inputs.json").read_text())["lr_choice"]["mults"] == st["lr_choice"]["mults"] == choice["mults"]
     # the budget from step times measured by short runs of each regime and reference (4 runs of 8 steps)
     rc, log = inproc(*args, "--out", tmp_path / "est", "--estimate")
     assert rc == 0 and "12 runs without grid extensions, 12 if every regime's grid" in log and "reference_bf16" in log, log[-1500:]
