@@ -18,7 +18,7 @@ __all__ = ['METRICS_JSONL', 'METRICS_COMPACT', 'DEFAULT_COOLDOWNS', 'COMPACT_COL
            'read_metrics_compact', 'metrics_file', 'same_records', 'compact_metrics', 'read_wandb_records',
            'wandb_log_complete', 'wait_for_wandb_log', 'wandb_run_files', 'read_wandb_history', 'read_wandb_alerts',
            'read_wandb_run_ids', 'wandb_logged_in', 'resolve_wandb_mode', 'Tracker', 'read_alerts', 'find_breaches',
-           'truncate_records', 'NullTracker', 'compact_columns', 'compact_run']
+           'truncate_records', 'NullTracker', 'compact_columns', 'thin_alerts', 'compact_run']
 
 # %% ../nbs/15_tracking.ipynb #9f09be1b
 class AltgradNotice(UserWarning):
@@ -619,10 +619,21 @@ def _write_checked(records: list[dict], path: Path, **kw):
     if not same_records(read_metrics_compact(path), records):
         raise RuntimeError(f"{path}: a value did not survive the round trip (please report this bug)")
 
+def thin_alerts(alerts: list[dict]) -> list[dict]:
+    """The alerts that were reported (not suppressed by the cooldown), each with `repeats`: how many suppressed repeats
+    of its kind followed it before the next reported one. Nothing is lost as a count; idempotent."""
+    out, last = [], {}
+    for a in alerts:
+        k = a.get("kind")
+        if a.get("suppressed") and k in last: last[k]["repeats"] += 1; continue
+        out.append(r := {**a, "repeats": a.get("repeats", 0)}); last[k] = r
+    return out
+
 def compact_run(run_dir: str | os.PathLike, keep_histograms: bool = False, layers: bool = True) -> dict:
     """Rewrite a finished run folder in the compact run format (see above); returns its files' bytes before and after.
     `keep_histograms=True`: every per-layer column and `histograms.json` too (the per-format write-up runs).
-    `layers=False`: no per-layer per-step column either (runs read only through their totals, e.g. a study's)."""
+    `layers=False`: no per-layer per-step column either, and the alerts thinned by `thin_alerts` (runs read only through
+    their totals, e.g. a study's)."""
     d = Path(run_dir); before = _dir_bytes(d)
     f = metrics_file(d)
     if f is None: raise FileNotFoundError(f"{d} holds neither {METRICS_JSONL} nor {METRICS_COMPACT}: is it a run folder?")
@@ -634,6 +645,7 @@ def compact_run(run_dir: str | os.PathLike, keep_histograms: bool = False, layer
         recs = [{k: v for k, v in r.items() if k in keep} for r in recs]
     j, c, aj, ap, h = (d / METRICS_JSONL, d / METRICS_COMPACT, d / "alerts.jsonl", d / "alerts.parquet", d / "histograms.json")
     alerts = read_alerts(d) if (aj.exists() or ap.exists()) else None
+    if alerts is not None and not layers: alerts = thin_alerts(alerts)
     backup = {p: p.read_bytes() for p in (c, ap) if p.exists()}
     try:
         _write_checked(recs, c, source_bytes=None, meta=dict(detail=bool(keep_histograms)))
