@@ -30,7 +30,7 @@ __all__ = ['MECH_KEYS', 'MECH_ALL', 'EXPECTATION_CHECKS', 'grid_rules', 'same_la
            'save_figure', 'results_section', 'same_landing_section', 'ranking_section', 'mechanism_section',
            'rises_at_low_rates', 'figures_section', 'references_section', 'lr_sweep_section', 'landing_note',
            'protocol_section', 'threats_section', 'regenerate_section', 'write_answer', 'report_study', 'format_pairs',
-           'law_points', 'decisive_expectations', 'decisive_cells', 'decisive_mde', 'headline_record',
+           'law_points', 'decisive_expectations', 'grid_family', 'decisive_cells', 'decisive_mde', 'headline_record',
            'decisive_analyze', 'incomplete_text', 'law_clause', 'decisive_paragraph', 'pairs_section',
            'decisive_results_section', 'law_section', 'bracket_section', 'plot_law', 'decisive_protocol_section',
            'write_decisive_answer', 'report_decisive', 'fake_decisive_study']
@@ -743,30 +743,35 @@ def _expect_fails_paired(st: dict, f: str) -> str:
         c = st["cells"][f][r]; ex = c["above_unigram"]
         nf = len(c["failed"]); ok = nf == c["n_seeds"] or (ex.get("lo") is not None and ex["lo"] > 0)
         fails.append(ok)
-        parts.append(f"{rule_label(r)}: {nf} of {c['n_seeds']} runs failed, final loss − unigram {pm(ex, '.3f')} ({ci_text(ex)})")
+        parts.append(f"{rule_label(r)}: {nf} of {c['n_seeds']} runs stopped at a NaN, final loss − unigram {pm(ex, '.3f')} ({ci_text(ex)})")
     head = (f"As the seeds expected, {f} fails outright" if all(fails) else f"{f} fails outright under one regime only" if any(fails)
             else f"Contrary to the seeds' expectation, {f} does not fail outright")
-    return head + ": " + "; ".join(parts) + "."
+    crit = "(failing outright: every run stops at a NaN, or the final loss is resolved above the unigram baseline)"
+    return f"{head} {crit}: " + "; ".join(parts) + "."
 
 def _expect_best_paired(st: dict, f: str) -> str:
     "E.g. E5M2 is best: paired by seed against every other format (Holm within the regime), under FP32 master weights and nearest."
     parts, verdicts = [], []
     for r in (UPPER, CONTROL):
         rows = [(k, v) for k, v in st["format_pairs"][r].items() if f in (v["a"], v["b"])]
-        worse = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < 0.05
+        worse = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_RULES["alpha"]
                  and ((v["mean"] > 0) == (v["b"] == f))]
-        better = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < 0.05
+        better = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_RULES["alpha"]
                   and ((v["mean"] > 0) != (v["b"] == f))]
         n = len(rows)
         verdicts.append("contra" if better else "agree" if len(worse) == n else "open")
         parts.append(f"{rule_label(r)}: resolved better than {len(worse)} of {n} formats"
-                     + (f", resolved worse than {', '.join(better)}" if better else "") + " (paired, Holm-adjusted p < 0.05)")
+                     + (f", resolved worse than {', '.join(better)}" if better else "") + f" (paired, Holm-adjusted p < {ANALYSIS_RULES['alpha']})")
     head = (f"The data contradicts the seeds' expectation that {f} is best" if "contra" in verdicts else
             f"The data confirms the seeds' expectation that {f} is best" if set(verdicts) == {"agree"} else
             f"The data neither confirms nor contradicts the seeds' expectation that {f} is best")
     return head + ": " + "; ".join(parts) + "."
 
 # %% ../nbs/35_answer.ipynb #35h8ff1c
+def grid_family(plan: StudyPlan) -> list[tuple[str, str]]:
+    "The planned (format, grid rule) cells: the family of the benefit tests, of their detectable effect and of the headline's m."
+    return [(f, r) for f in plan.formats for r in grid_rules(plan.rules)]
+
 def decisive_cells(plan: StudyPlan, proto, recs: dict, held: list, unigram, conf: float = 0.95) -> tuple[dict, dict]:
     "(`{fmt: {rule: cell}}` over the held-out specs `held`, `{fmt: {rule: {seed: loss}}}`)."
     L = {f: {r: _losses(recs, [s for s in held if (s.fmt, s.rule) == (f, r)]) for r in plan.rules} for f in plan.formats}
@@ -784,8 +789,8 @@ def decisive_cells(plan: StudyPlan, proto, recs: dict, held: list, unigram, conf
             if r != CONTROL: c["benefit"] = paired_test(L[f][CONTROL], L[f][r], conf)
             if r not in (CONTROL, UPPER): c["recovered"] = recovered_fraction(L[f][CONTROL], L[f][r], L[f][UPPER], conf)
             cells[f][r] = c
-    for fam in ([r for r in plan.rules if r not in (CONTROL, UPPER)], [UPPER]):
-        adj = holm({(f, r): cells[f][r]["benefit"]["p"] for f in plan.formats for r in fam})
+    for fam in (grid_family(plan), [(f, UPPER) for f in plan.formats]):
+        adj = holm({(f, r): cells[f][r]["benefit"]["p"] for f, r in fam})
         for (f, r), p in adj.items(): cells[f][r]["benefit"]["p_holm"] = p
     return cells, L
 
@@ -793,15 +798,16 @@ def decisive_mde(plan: StudyPlan, cells: dict, pairs: dict, n: int) -> dict:
     """The minimum effect detectable at 80% power (two-sided paired t) from the median measured paired SD of a family:
     `mde` for one pre-specified comparison (alpha 0.05), `mde_family` for a claim that survives Holm over the family's
     m tests (its first step: alpha 0.05/m). Families: the grid rules' benefits over nearest, and the format pairs."""
-    sd_b = [cells[f][r]["benefit"]["sd"] for f in plan.formats for r in plan.rules if r not in (CONTROL, UPPER) and cells[f][r]["benefit"].get("sd")]
+    sd_b = [cells[f][r]["benefit"]["sd"] for f, r in grid_family(plan) if cells[f][r]["benefit"].get("sd")]
     sd_f = [v["sd"] for fam in pairs.values() for v in fam.values() if v.get("sd")]
-    m_b = sum(1 for r in plan.rules if r not in (CONTROL, UPPER)) * len(plan.formats)
+    m_b, (alpha, power) = len(grid_family(plan)), (ANALYSIS_RULES["alpha"], ANALYSIS_RULES["power"])
     m_f = len(plan.formats) * (len(plan.formats) - 1) // 2
     def one(sds, m):
         if not sds or n < 2: return dict(sd=None, mde=None, m=m, mde_family=None)
         sd = float(np.median(sds))
-        return dict(sd=sd, mde=min_detectable_effect(sd, n), m=m, mde_family=min_detectable_effect(sd, n, alpha=0.05 / max(m, 1)))
-    return dict(n=n, power=0.8, alpha=0.05, benefit=one(sd_b, m_b), formats=one(sd_f, m_f))
+        return dict(sd=sd, mde=min_detectable_effect(sd, n, power, alpha), m=m,
+                    mde_family=min_detectable_effect(sd, n, power, alpha / max(m, 1)))
+    return dict(n=n, power=power, alpha=alpha, benefit=one(sd_b, m_b), formats=one(sd_f, m_f))
 
 def _no_none(d):
     "A record without its None entries (nested dicts too): the decisive study.json stays small."
@@ -814,11 +820,12 @@ def headline_record(cells: dict, head, grid_cells: list, m: int) -> dict | None:
     planned number of cells (the same m as the family-wise detectable effect; a cell without runs still counts)."""
     if head is None: return None
     b = cells[head[0]][head[1]]["benefit"]
-    sim = dict(conf=1 - 0.05 / m, lo=None, hi=None)
+    alpha = ANALYSIS_RULES["alpha"]
+    sim = dict(conf=1 - alpha / m, lo=None, hi=None)
     if b.get("sd") is not None and b.get("n", 0) >= 2:
-        h = t_crit(b["n"] - 1, 1 - 0.05 / m) * b["sd"] / math.sqrt(b["n"])
+        h = t_crit(b["n"] - 1, 1 - alpha / m) * b["sd"] / math.sqrt(b["n"])
         sim.update(lo=b["mean"] - h, hi=b["mean"] + h)
-    res = [f"{f}/{r}" for f, r in grid_cells if (cells[f][r]["benefit"].get("p_holm") or 1) < 0.05 and cells[f][r]["benefit"]["mean"] > 0]
+    res = [f"{f}/{r}" for f, r in grid_cells if (cells[f][r]["benefit"].get("p_holm") or 1) < alpha and cells[f][r]["benefit"]["mean"] > 0]
     return dict(fmt=head[0], rule=head[1], m=m, simultaneous=sim, resolved=res)
 
 def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: dict | None, unigram, conf: float = 0.95) -> dict:
@@ -836,8 +843,7 @@ def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: di
     law_r = {r: law_fit([dict(q, x=q["r"]) for q in p], increasing=False) for r, p in pts.items()}    # the same against median r
     corr = {r: format_correlation({f: (cells[f][CONTROL]["mechanism"].get("pred_stall"), cells[f][r]["benefit"]["mean"]) for f in plan.formats})
             for r in plan.rules if r != CONTROL} if done else {}
-    grid_cells = [(f, r) for f in plan.formats for r in plan.rules if r not in (CONTROL, UPPER)
-                  and cells.get(f, {}).get(r, {}).get("benefit", {}).get("mean") is not None]
+    grid_cells = [(f, r) for f, r in grid_family(plan) if cells.get(f, {}).get(r, {}).get("benefit", {}).get("mean") is not None]
     head = max(grid_cells, key=lambda fr: cells[fr[0]][fr[1]]["benefit"]["mean"]) if grid_cells else None
     vocab = next((runs[s.name].summary.get("vocab") for s in held + tune if runs.get(s.name) is not None
                   and runs[s.name].summary.get("vocab")), None)
@@ -854,7 +860,7 @@ def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: di
                        mults=choice["mults"] if choice else None, rule=proto.choice_rule),
         cells=cells, format_pairs=pairs, mde=decisive_mde(plan, cells, pairs, len(proto.heldout_seeds)) if done else None,
         references=refs, compute_split=split, law=law, law_r={r: {k: v for k, v in x.items() if k != 'fit'} for r, x in law_r.items()}, correlation=corr,
-        headline=headline_record(cells, head, grid_cells, len(plan.formats) * sum(1 for r in plan.rules if r not in (CONTROL, UPPER))),
+        headline=headline_record(cells, head, grid_cells, len(grid_family(plan))),
         vocab=vocab,
         devices=sorted({x.get("device") for x in recs.values() if x.get("device")}),
         budget=dict(seconds=seconds, total_seconds=seconds["lr"] + seconds["seeds"], runs=len(recs) - len(missing)),
@@ -887,9 +893,9 @@ def decisive_paragraph(st: dict) -> str:
     h, n = st["headline"], len(st["protocol"]["heldout_seeds"])
     if h is None: return sens + "**Answer.** Not available: the study has no grid-aware rule (use --rules)."
     f, r = h["fmt"], h["rule"]; b = st["cells"][f][r]["benefit"]; mde = st["mde"]["benefit"]
-    resolved = b.get("p_holm") is not None and b["p_holm"] < 0.05 and b["mean"] > 0
+    resolved = f"{f}/{r}" in h.get("resolved", [])              # Holm's p < alpha and a positive mean (`headline_record`)
     sim = h.get("simultaneous") or {}
-    simtext = (f"; {sim['lo']:.3f} to {sim['hi']:.3f} as a simultaneous 95% interval over all {h['m']} format × rule cells "
+    simtext = (f"; {sim['lo']:.3f} to {sim['hi']:.3f} as a simultaneous {1 - ANALYSIS_RULES['alpha']:.0%} interval over all {h['m']} format × rule cells "
                f"(Bonferroni, each at {sim['conf']:.2%})"
                if sim.get("lo") is not None else "")
     others = [c for c in h.get("resolved", []) if c != f"{f}/{r}"]
@@ -905,9 +911,9 @@ def decisive_paragraph(st: dict) -> str:
          f"mean is biased upward by the choice). Why: {law_clause(st, r)}."]
     if mde.get("mde") is not None:
         fm = st["mde"]["formats"]
-        S.append(f"With {n} held-out seeds (median paired SD {mde['sd']:.3f} nats) the smallest benefit detectable at 80% power is "
-                 f"{mde['mde']:.3f} nats for one pre-specified comparison (α = 0.05) and {fmt_num(mde.get('mde_family'), '.3f')} nats "
-                 f"for a claim that survives Holm over the {mde.get('m')} cells (α = 0.05/{mde.get('m')}); between two formats "
+        S.append(f"With {n} held-out seeds (median paired SD {mde['sd']:.3f} nats) the smallest benefit detectable at {st['mde']['power']:.0%} power is "
+                 f"{mde['mde']:.3f} nats for one pre-specified comparison (α = {st['mde']['alpha']}) and {fmt_num(mde.get('mde_family'), '.3f')} nats "
+                 f"for a claim that survives Holm over the {mde.get('m')} cells (α = {st['mde']['alpha']}/{mde.get('m')}); between two formats "
                  f"{fmt_num(fm.get('mde'), '.3f')} and {fmt_num(fm.get('mde_family'), '.3f')} nats (Holm over {fm.get('m')} pairs).")
     unb = [q for q, g in st["lr_choice"]["grids"].items() if g["status"] == "unbracketed"]
     S.append("Every regime's learning rate is bracketed (its best multiplier is interior)." if not unb else

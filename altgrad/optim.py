@@ -181,6 +181,7 @@ class OptimizerSpec:
     takes_seed: bool = False      # the trainer passes `seed=cfg.seed` (the optimizer's own random streams)
     grid_params: Callable | None = None   # (quantized layers, cfg) -> `build_optimizer`'s grid_params, weights on the grid
     decay_shrink: Callable[[float, float], float] = decoupled_shrink   # (group lr, group λ) -> c: one step's decay gives (1 - c) w
+    intended: Callable | None = None      # (optimizer) -> {weight: the update it meant before landing on the grid itself}
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {}
 
@@ -252,7 +253,7 @@ def madam_grid_params(layers, cfg) -> dict | None:
 
 register_optimizer(OptimizerSpec("adamw", _adamw))
 register_optimizer(OptimizerSpec("madam", _madam, lr_scale=10.0, wd_divisor=10.0 * math.log(2), takes_seed=True,
-                                 grid_params=madam_grid_params, decay_shrink=multiplicative_shrink))
+                                 grid_params=madam_grid_params, decay_shrink=multiplicative_shrink, intended=lambda opt: opt.intended))
 register_optimizer(OptimizerSpec("lion", _lion, lr_scale=0.3, wd_divisor=0.3))
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),

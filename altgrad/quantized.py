@@ -110,6 +110,12 @@ def _operand_kernel(x, hist, use_hist, given, use_given, target, prev, seed, ove
 _operand_compiled: list = []    # [compiled `_operand_kernel`] once built; [None] if compiling failed
 _const_cache: dict = {}          # small constant tensors of the fused path, per device
 
+def _const(key, make):
+    "The constant tensor cached under `key`, made by `make()` only on a miss (the hot path allocates nothing)."
+    t = _const_cache.get(key)
+    if t is None: t = _const_cache[key] = make()
+    return t
+
 class TensorQuantizer(nn.Module):
     "Format, scaling state (amax history, last scale) and counters of one GEMM operand (W, A or G)."
     def __init__(self, fmt, scaling: str = "delayed", granularity: str = "tensor", block_size: int = 32,
@@ -191,18 +197,18 @@ class TensorQuantizer(nn.Module):
     def _quantize_fused(self, x: torch.Tensor, train: bool, scale, gen) -> torch.Tensor | None:
         """`quantize` for per-tensor scaling in one compiled call: scale (from the history or `x`), Q, range counts, amax.
         None if compiling failed (then nothing was recorded, and the caller takes the general path)."""
-        dev, c = x.device, _const_cache
+        dev = x.device
         w = self.history.window if self.history is not None else 1
         use_hist = scale is None and self.delayed and self.history.initialized
         if use_hist:
             h, n = self.history.history, self.history._n
             hist = h if self.history.algo == "max" else h[(n - 1) % w].repeat(w)
-        else: hist = c.setdefault(("zeros", w, dev), torch.zeros(w, device=dev))
-        key = (self.fmt, self.margin, dev)
-        if key not in c: c[key] = torch.tensor(self.fmt.max_value / 2.0 ** self.margin, dtype=torch.float32, device=dev)
-        one = c.setdefault(("one", dev), torch.ones((), device=dev))
-        flag = lambda role, b: c.setdefault((role, bool(b), dev), torch.tensor(bool(b), device=dev))   # one tensor per role
-        given = c.setdefault(("given", dev), torch.ones((), device=dev)) if scale is None else scale.reshape(())
+        else: hist = _const(("zeros", w, dev), lambda: torch.zeros(w, device=dev))
+        target = _const((self.fmt, self.margin, dev),
+                        lambda: torch.tensor(self.fmt.max_value / 2.0 ** self.margin, dtype=torch.float32, device=dev))
+        one = _const(("one", dev), lambda: torch.ones((), device=dev))
+        flag = lambda role, b: _const((role, bool(b), dev), lambda: torch.tensor(bool(b), device=dev))   # one tensor per role
+        given = _const(("given", dev), lambda: torch.ones((), device=dev)) if scale is None else scale.reshape(())
         prev = self.scale if self.scale.dim() == 0 else one
         if prev is given: prev = prev.clone()      # (dynamo guards on aliased arguments: one graph needs distinct tensors)
         over, tie = _edges(self.fmt, dev)
@@ -211,7 +217,7 @@ class TensorQuantizer(nn.Module):
             if not _operand_compiled: _operand_compiled.append(compile_kernel(_operand_kernel))
             # flat and detached: no view of another tensor (whose strides dynamo would guard), one rank for every operand
             q, s, counts, amax = _operand_compiled[0](x.reshape(-1).detach(), hist, flag("hist", use_hist), given, flag("given", scale is not None),
-                                                      c[key], prev, seed, over, tie, **_tensor_params(self.qfmt, dev))
+                                                      target, prev, seed, over, tie, **_tensor_params(self.qfmt, dev))
         except Exception as e:                # no C++ compiler / triton, an unsupported device...
             _operand_compiled[:] = [None]
             notice(f"torch.compile of the fused operand kernel failed ({type(e).__name__}); using eager kernels")

@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 from .config import RENAMED_KEYS
-from .tracking import (read_metrics, read_metrics_compact, read_alerts, write_metrics_compact, encode_json,
+from .tracking import (read_metrics, read_alerts, write_metrics_compact, encode_json,
                               metrics_file, METRICS_JSONL, METRICS_COMPACT)
 
 # %% auto #0
 __all__ = ['ALERTS_JSONL', 'ALERTS_COMPACT', 'SYN_LAYERS', 'REUSED_FILE', 'Run', 'read_json', 'read_yaml', 'read_run_alerts',
-           'compact_alerts', 'read_summary', 'current_keys', 'layer_formats_of', 'load_run', 'write_synthetic_run',
-           'run_finished', 'final_loss', 'is_writeup', 'is_sweep', 'find_writeups', 'find_sweeps', 'find_matrices',
-           'reuse_marker', 'load_runs']
+           'read_summary', 'current_keys', 'layer_formats_of', 'load_run', 'write_synthetic_run', 'run_finished',
+           'final_loss', 'is_writeup', 'is_sweep', 'find_writeups', 'find_sweeps', 'find_matrices', 'reuse_marker',
+           'load_runs']
 
 # %% ../nbs/29_runs.ipynb #29a00006
 @dataclass
@@ -72,21 +72,9 @@ def read_yaml(p) -> dict:
     except (OSError, yaml.YAMLError): return {}
 
 def read_run_alerts(run_dir) -> list[dict]:
-    "The alerts of a run folder: `alerts.jsonl`, else `alerts.parquet`, else none."
+    "The alerts of a run folder (`alerts.jsonl`, else `alerts.parquet`: `tracking.read_alerts`); [] when it has neither."
     d = Path(run_dir)
-    if (d / ALERTS_JSONL).exists(): return read_alerts(d / ALERTS_JSONL)
-    if (d / ALERTS_COMPACT).exists(): return read_metrics_compact(d / ALERTS_COMPACT)
-    return []
-
-def compact_alerts(run_dir, remove_jsonl: bool = False) -> Path | None:
-    "Write `alerts.parquet` from the run's `alerts.jsonl` (records read back identical); None when it has no alerts file."
-    d = Path(run_dir)
-    if not (d / ALERTS_JSONL).exists(): return None
-    recs = read_alerts(d / ALERTS_JSONL)
-    p = write_metrics_compact(recs, d / ALERTS_COMPACT)
-    if read_metrics_compact(p) != recs: raise ValueError(f"{p} does not read back as {d / ALERTS_JSONL}")
-    if remove_jsonl: (d / ALERTS_JSONL).unlink()
-    return p
+    return read_alerts(d) if (d / ALERTS_JSONL).exists() or (d / ALERTS_COMPACT).exists() else []
 
 def read_summary(run_dir) -> dict | None:
     "The trainer's `summary.json` of `run_dir`, or None when missing or unreadable (a run killed before it ended)."

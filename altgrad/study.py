@@ -4,7 +4,7 @@
 
 # %% ../nbs/32_study.ipynb #32a00002
 from __future__ import annotations
-import dataclasses, fcntl, json, math, shlex, shutil, sys
+import dataclasses, fcntl, json, math, os, shlex, shutil, sys
 from dataclasses import dataclass, field, asdict
 from fractions import Fraction
 from pathlib import Path
@@ -16,7 +16,7 @@ from .regimes import get_rule, UPDATE_RULES
 from .runs import final_loss
 from .stats import finite
 from .tracking import compact_run, metrics_file
-from .trainer import Trainer, run_state
+from .trainer import Trainer, run_state, move_to_previous
 from .sweep import portable, check_run, config_diff, resolve_preset, saved_config
 
 # %% auto #0
@@ -25,11 +25,11 @@ __all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER
            'HELDOUT_SEEDS', 'CHOICE_RULE', 'CPU_STEP_SECONDS', 'RUN_OVERHEAD_SECONDS', 'mult_label', 'parse_mults',
            'lr_scale_for', 'distinct_formats', 'normalize_rules', 'StudyPlan', 'study_defaults', 'make_plan', 'RunSpec',
            'reference_spec', 'format_spec', 'lr_specs', 'seed_specs', 'cell_specs', 'parse_shard', 'shard_specs',
-           'trivial_choice', 'run_dir', 'spec_config', 'resumable', 'finalize_run', 'train_spec', 'execute',
-           'collect_runs', 'choose_lr', 'lr_key', 'load_lr_choice', 'json_safe', 'write_lr_choice', 'resolve_choice',
-           'join_names', 'regenerate_command', 'model_inputs', 'vocab_inputs', 'write_inputs', 'Protocol',
-           'make_protocol', 'decisive_plan', 'tuning_specs', 'choose_bracketed', 'bracket_grid', 'bracket_grids',
-           'decisive_lr_specs', 'decisive_seed_specs', 'decisive_choice', 'name_shard', 'check_inputs',
+           'trivial_choice', 'run_dir', 'spec_config', 'resumable', 'finalize_run', 'train_spec', 'claim_run',
+           'execute', 'collect_runs', 'choose_lr', 'lr_key', 'load_lr_choice', 'json_safe', 'write_lr_choice',
+           'resolve_choice', 'join_names', 'regenerate_command', 'model_inputs', 'vocab_inputs', 'write_inputs',
+           'Protocol', 'make_protocol', 'decisive_plan', 'tuning_specs', 'choose_bracketed', 'bracket_grid',
+           'bracket_grids', 'decisive_lr_specs', 'decisive_seed_specs', 'decisive_choice', 'name_shard', 'check_inputs',
            'write_decisive_inputs', 'decisive_command', 'estimate_seconds', 'decisive_estimate', 'estimate_text',
            'measure_step_seconds', 'parse_step_seconds']
 
@@ -217,7 +217,7 @@ def run_dir(out, name: str) -> Path: return Path(out) / "runs" / name
 
 def spec_config(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: str = "disabled"):
     "The `TrainConfig` of one run of the study."
-    common = dict(max_steps=plan.steps, seed=spec.seed, data_dir=str(data_dir), out_dir=portable(run_dir(out, spec.name)),
+    common = dict(max_steps=plan.steps, seed=spec.seed, data_dir=portable(data_dir), out_dir=portable(run_dir(out, spec.name)),
                   wandb_mode=wandb_mode, checkpoint_interval=plan.steps, layer_formats=[], interventions=False, stop_on_nan=True,
                   **plan.overrides)
     if spec.fmt is None:
@@ -242,9 +242,11 @@ def finalize_run(d) -> Path:
 
 def train_spec(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: str = "disabled", resume: bool = False):
     """Train one run into `out/runs/<name>`; returns its `Run`. `resume=True` continues the interrupted run there from its
-    checkpoint; otherwise any folder there is replaced. An interrupted training raises the trainer's `Interrupted` (its folder kept)."""
+    checkpoint; otherwise a finished run there (of another config) moves to its `_previous/` folder, never deleted, and anything
+    else there is replaced. An interrupted training raises the trainer's `Interrupted` (its folder kept)."""
     d, cfg = run_dir(out, spec.name), spec_config(plan, spec, out, data_dir, wandb_mode)
     if resume: cfg = dataclasses.replace(cfg, resume=True)
+    elif run_state(d)[0] == "finished": move_to_previous(d)
     elif d.exists(): shutil.rmtree(d)
     Trainer(cfg, progress=False).fit()                      # a signal: the trainer checkpoints and raises `Interrupted`
     finalize_run(d)
@@ -260,30 +262,67 @@ def _triage(plan: StudyPlan, specs: list, out, data_dir: str, wandb_mode: str, c
         run, why = check_run(d, cfg)
         if run is not None: cache[sp.name] = run; continue
         res = resumable(d, cfg)
-        if res: log(f"[altgrad-study] {sp.name}: resuming the interrupted run in {d} from its checkpoint")
-        elif d.exists(): log(f"[altgrad-study] {sp.name}: not reusing {d}: {'; '.join(why)}; training it again")
+        with claim_run(out, sp.name) as free: pass                     # claimed elsewhere: being trained, nothing to say yet
+        if free and res: log(f"[altgrad-study] {sp.name}: resuming the interrupted run in {d} from its checkpoint")
+        elif free and d.exists(): log(f"[altgrad-study] {sp.name}: not reusing {d}: {'; '.join(why)}; training it again"
+                             + (" (the finished run there moves to its _previous/ folder)" if run_state(d)[0] == "finished" else ""))
         todo.append((sp, res))
     return todo
 
+class claim_run:
+    """An exclusive claim on training run `name` of study folder `out`: a `flock` on `out/.claims/<name>.lock`, released when
+    the block ends or the process dies. `bool(claim)` is False when another process holds it (that process trains the run);
+    `wait=True` blocks until the claim is free instead."""
+    def __init__(self, out, name: str, wait: bool = False): self.path, self.wait = Path(out) / ".claims" / f"{name}.lock", wait
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(self.path, "a")
+        try: fcntl.flock(self.f, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB)); self.held = True
+        except BlockingIOError: self.held = False
+        if self.held: self.f.truncate(0); self.f.write(f"{os.getpid()}\n"); self.f.flush()    # who holds it
+        return self
+    def __bool__(self): return self.held
+    def __exit__(self, *exc):
+        if self.held: fcntl.flock(self.f, fcntl.LOCK_UN)
+        self.f.close()
+
+def _train_claimed(plan: StudyPlan, sp, out, data_dir: str, wandb_mode: str, cache: dict, wait: bool = False) -> str:
+    "Train run `sp` under its claim: 'trained', 'reused' (another process finished it meanwhile) or 'busy' (claimed elsewhere)."
+    with claim_run(out, sp.name, wait) as mine:
+        if not mine: return "busy"
+        again = _triage(plan, [sp], out, data_dir, wandb_mode, cache, lambda *_: None)       # checked again under the claim
+        if not again: return "reused"
+        cache[sp.name] = train_spec(plan, sp, out, data_dir, wandb_mode, resume=again[0][1])
+        return "trained"
+
 def execute(plan: StudyPlan, specs: list, out, data_dir: str, wandb_mode: str = "disabled", desc: str = "study",
-            cache: dict | None = None, log=print) -> dict:
-    "Train (or resume) the `specs` not already finished in `out` (progress bar over runs); `{'reused', 'trained'}`."
+            cache: dict | None = None, log=print, wait: bool = False) -> dict:
+    """Train (or resume) the `specs` not already finished in `out` (progress bar over runs); `{'reused', 'trained', 'busy', 'runs'}`
+    (`runs`: the names this call trained).
+    Each run is trained under its claim (`claim_run`), so processes sharing `out` never train one run twice. A run another
+    process is training is `busy` and left to it; with `wait=True` this process waits for it at the end (and resumes it if
+    that process was interrupted)."""
     from tqdm.auto import tqdm
     cache = {} if cache is None else cache
     todo = _triage(plan, specs, out, data_dir, wandb_mode, cache, log)
     bar = tqdm(total=len(specs), initial=len(specs) - len(todo), unit="run", desc=desc, file=sys.stderr, dynamic_ncols=True)
-    sp = None
+    sp, n, later = None, dict(reused=len(specs) - len(todo), trained=0, busy=0, runs=[]), []
     try:
-        for sp, res in todo:
+        for sp, _ in todo:
             bar.set_postfix_str(sp.name)
-            cache[sp.name] = train_spec(plan, sp, out, data_dir, wandb_mode, resume=res)
-            bar.update(1)
+            k = _train_claimed(plan, sp, out, data_dir, wandb_mode, cache)
+            if k == "busy" and wait: later.append(sp); continue
+            n[k] += 1; n["runs"] += [sp.name] * (k == "trained"); bar.update(1)
+        for sp in later:
+            bar.set_postfix_str(f"waiting for {sp.name}")
+            k = _train_claimed(plan, sp, out, data_dir, wandb_mode, cache, wait=True)
+            n[k] += 1; n["runs"] += [sp.name] * (k == "trained"); bar.update(1)
     except KeyboardInterrupt:
         log(f"[altgrad-study] interrupted during {sp.name if sp else 'start-up'}: finished runs are kept and an interrupted one "
             "keeps its checkpoint; rerun the same command to resume")
         raise
     finally: bar.close()
-    return dict(reused=len(specs) - len(todo), trained=len(todo))
+    return n
 
 def collect_runs(plan: StudyPlan, specs: list, sources, out, data_dir: str, wandb_mode: str = "disabled",
                  cache: dict | None = None, log=print) -> dict:

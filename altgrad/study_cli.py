@@ -14,11 +14,12 @@ from .study import (DISTINCT_FORMATS, STUDY_RULES, StudyPlan, Protocol, make_pla
                            seed_specs, run_dir, spec_config, execute, collect_runs, resolve_choice, write_lr_choice, write_inputs,
                            join_names, load_lr_choice, make_protocol, decisive_plan, tuning_specs, bracket_grids, decisive_lr_specs,
                            decisive_seed_specs, decisive_choice, name_shard, write_decisive_inputs, estimate_seconds,
-                           decisive_estimate, estimate_text, measure_step_seconds, parse_step_seconds, regenerate_command)
+                           decisive_estimate, estimate_text, measure_step_seconds, parse_step_seconds, regenerate_command,
+                           INPUTS_FILE)
 from .answer import report_study
 
 # %% auto #0
-__all__ = ['run_study', 'run_decisive', 'study_cli']
+__all__ = ['refuse_other_design', 'run_study', 'run_decisive', 'study_cli']
 
 # %% ../nbs/37_study_cli.ipynb #37a00007
 def _waiting_message(plan: StudyPlan, tag: str, sh, collect, cache: dict, data_dir) -> str:
@@ -31,6 +32,20 @@ def _waiting_message(plan: StudyPlan, tag: str, sh, collect, cache: dict, data_d
     return (f"[altgrad-study] collected the LR runs that are there; {sum(1 for s in lr_specs(plan) if s.name not in cache)} LR runs "
             "are still missing, so the learning rates cannot be chosen yet: finish the shards' LR phase and collect again.")
 
+def refuse_other_design(out, decisive: bool) -> None:
+    """Refuse a study folder that holds a study of the other design (its `study_inputs.json` has a decisive protocol, or
+    has none; or, for the decisive design, it has runs but no inputs yet): training it with this command would mix runs of
+    two protocols (both designs name runs alike) and overwrite the inputs fixed before them."""
+    try: old = json.loads((Path(out) / INPUTS_FILE).read_text())
+    except (OSError, ValueError):           # a decisive study writes its inputs before any run: runs without them are legacy ones
+        if decisive and any((Path(out) / "runs").glob("*/config.yaml")):
+            raise ConfigError(f"{out} holds study runs but no {INPUTS_FILE} (a legacy study, or its shard, still training); "
+                              "continue it with its own command or use another --out") from None
+        return
+    if ("protocol" in old) == decisive: return
+    kind = "decisive (its protocol fixed in study_inputs.json)" if "protocol" in old else "legacy (no decisive protocol)"
+    raise ConfigError(f"{out} holds a {kind} study; continue it with its own command (`{old.get('command', '?')}`) or use another --out")
+
 def run_study(preset: str = "cpu", out="outputs/study", formats=None, rules=None, seeds=None, steps: int | None = None,
               lr_mults=None, lr_formats=None, shadow: bool | None = None, shard=None, collect=None, data_dir: str | None = None,
               lr_choice=None, wandb_mode: str = "disabled", overrides: dict | None = None, log=print) -> dict:
@@ -42,7 +57,7 @@ def run_study(preset: str = "cpu", out="outputs/study", formats=None, rules=None
     plan = make_plan(preset, formats, rules, seeds, steps, lr_mults, lr_formats, shadow, overrides)
     if shard is not None and collect: raise ConfigError("--shard and --collect exclude each other: shards train, --collect merges")
     sh = parse_shard(shard) if isinstance(shard, str) else shard
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    out = Path(out); refuse_other_design(out, decisive=False); out.mkdir(parents=True, exist_ok=True)
     data = ensure_data(data_dir or None, out)
     cache, counts = {}, dict(reused=0, trained=0, present=0, copied=0)
     def do(specs, desc):
@@ -80,20 +95,25 @@ def run_study(preset: str = "cpu", out="outputs/study", formats=None, rules=None
 
 # %% ../nbs/37_study_cli.ipynb #37a00009
 def run_decisive(plan: StudyPlan, proto: Protocol, out="outputs/study", shard=None, collect=None, data_dir: str | None = None,
-                 wandb_mode: str = "disabled", log=print) -> dict:
-    "Train (or reuse / resume / collect) the decisive study in rounds and write it; returns `run_study`'s dict."
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+                 wandb_mode: str = "disabled", log=print, share_work: bool = False) -> dict:
+    """Train (or reuse / resume / collect) the decisive study in rounds and write it; returns `run_study`'s dict.
+    `share_work=True` (shards sharing `out`): after its own runs a shard trains the other shards' unclaimed ones (from the
+    end of their list) and waits for those still training, so no shard idles while another has work and none stops to wait.
+    The unsharded command always waits for runs another process is training: it writes the answer, which needs every run."""
+    out = Path(out); refuse_other_design(out, decisive=True); out.mkdir(parents=True, exist_ok=True)
     data = ensure_data(data_dir or None, out)
     write_decisive_inputs(out, plan, proto, data, data_dir, None)      # the protocol is on disk before any run
-    cache, counts, tag = {}, dict(reused=0, trained=0, present=0, copied=0), f"shard {shard[0]}/{shard[1]}" if shard else "study"
+    cache, counts, tag = {}, dict(reused=0, trained=0, helped=0, busy=0, present=0, copied=0), f"shard {shard[0]}/{shard[1]}" if shard else "study"
     def do(specs, desc):
         if collect:
             r = collect_runs(plan, specs, [Path(c) for c in collect], out, data, wandb_mode, cache, log)
             counts["present"] += r["present"]; counts["copied"] += r["copied"]
         else:
             mine = [s for s in specs if shard is None or name_shard(s.name, shard[1]) == shard[0]]
-            r = execute(plan, mine, out, data, wandb_mode, desc, cache, log)
-            counts["reused"] += r["reused"]; counts["trained"] += r["trained"]
+            theirs = [s for s in specs if s not in mine][::-1] if share_work else []
+            r = execute(plan, mine + theirs, out, data, wandb_mode, desc, cache, log, wait=share_work or shard is None)
+            for k in ("reused", "trained", "busy"): counts[k] += r[k]
+            counts["helped"] += sum(1 for s in theirs if s.name in r["runs"])
     def losses(specs):
         for sp in specs:
             if sp.name not in cache:
@@ -109,13 +129,14 @@ def run_decisive(plan: StudyPlan, proto: Protocol, out="outputs/study", shard=No
     grids = bracket_grids(plan, proto, losses(decisive_lr_specs(plan, proto, grids)))
     choice = decisive_choice(grids)
     if choice is None:
-        log(f"[altgrad-study] {tag}: tuning: {counts['reused']} reused, {counts['trained']} trained")
+        log(f"[altgrad-study] {tag}: tuning: {counts['reused']} reused, {counts['trained']} trained, {counts['busy']} being trained elsewhere")
         log(f"[altgrad-study] {tag}: the tuning runs of other shards are not finished yet; rerun this command (or --collect) when they are")
         return dict(status="waiting-for-lr", answer=None, counts=counts, choice=None)
     write_decisive_inputs(out, plan, proto, data, data_dir, choice)   # fixed before the seed phase (by whichever process gets here first)
     do(decisive_seed_specs(plan, proto, choice["mults"]), f"{tag}: held-out seeds")
     log(f"[altgrad-study] {tag}: " + (f"{counts['present']} already here, {counts['copied']} collected" if collect else
-                                      f"{counts['reused']} reused, {counts['trained']} trained"))
+                                      f"{counts['reused']} reused, {counts['trained']} trained" + (f" ({counts['helped']} of them for other shards)" if share_work else "")
+                                      + (f", {counts['busy']} left to another process" if counts["busy"] else "")))
     if shard:
         log(f"[altgrad-study] shard {shard[0]}/{shard[1]} done; merge with `--collect` or rerun without --shard")
         return dict(status="shard-done", answer=None, counts=counts, choice=choice["mults"])
@@ -144,6 +165,8 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--shard", help="i/n: train only the runs j with j %% n == i (see --collect)")
     h.add_argument("--collect", nargs="+", metavar="DIR", help="merge the runs of these shard folders into --out (no training), then write the outputs")
     h.add_argument("--report-only", action="store_true", help="rewrite answer.md, study.json and the figures from the run folders in --out alone")
+    p.add_argument("--share-work", action="store_true", help="with --shard, shards sharing one --out: after its own runs a shard trains "
+                   "the others' unclaimed ones and waits for those still training (each run is claimed with a lock in OUT/.claims)")
     p.add_argument("--lr-choice", help="an lr_choice.json (written by --collect) that lets a shard run the seed phase")
     p.add_argument("--data-dir", default=None, help="prepared EurLex folder (default: OUT/_data/eurlex from the shared sample)")
     p.add_argument("--wandb-mode", default="disabled")
@@ -178,7 +201,8 @@ def _decisive_cli(a, ov) -> int:
         secs = parse_step_seconds(a.step_seconds) if a.step_seconds else measure_step_seconds(plan, ensure_data(a.data_dir, a.out))
         e = decisive_estimate(plan, proto, secs, a.shards, a.limit_hours)
         print(estimate_text(e)); return 1 if e["over"] else 0
-    try: r = run_decisive(plan, proto, a.out, sh, a.collect, a.data_dir, a.wandb_mode)
+    if a.share_work and not sh: raise ConfigError("--share-work goes with --shard i/n (shards sharing one --out)")
+    try: r = run_decisive(plan, proto, a.out, sh, a.collect, a.data_dir, a.wandb_mode, share_work=a.share_work)
     except KeyboardInterrupt as e: return e.exit_code if isinstance(e, Interrupted) else 130
     if r["answer"]: print(r["answer"])
     return 0
@@ -199,8 +223,8 @@ def study_cli(argv: list[str] | None = None) -> int:
             print(report_study(a.out)); return 0
         ov = parse_overrides(a.set)
         if (a.design or ("decisive" if resolve_preset(a.preset) == "study" else "legacy")) == "decisive": return _decisive_cli(a, ov)
-        if a.estimate or a.tuning_seeds or a.heldout_seeds or a.sensitivity:
-            raise ConfigError("--estimate, --tuning-seeds, --heldout-seeds and --sensitivity belong to --design decisive")
+        if a.estimate or a.tuning_seeds or a.heldout_seeds or a.sensitivity or a.share_work:
+            raise ConfigError("--estimate, --tuning-seeds, --heldout-seeds, --sensitivity and --share-work belong to --design decisive")
         plan = make_plan(a.preset, a.formats, a.rules, a.seeds, a.steps, a.lr_mults, a.lr_formats, a.shadow, ov)
         sh = parse_shard(a.shard) if a.shard else None
         if a.lr_choice: load_lr_choice(a.lr_choice, plan)

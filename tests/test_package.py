@@ -1,5 +1,5 @@
 """System checks across the package: notebooks and modules in sync, the engine usable from a fresh process."""
-import subprocess, sys, pathlib
+import ast, subprocess, sys, pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -10,6 +10,34 @@ def test_modules_match_notebooks(tmp_path):
     subprocess.run([sys.executable, "-c", "from nbdev.doclinks import nbdev_export; nbdev_export()"], cwd=ROOT, check=True)
     after = {p.name: p.read_text() for p in (ROOT / "altgrad").glob("*.py")}
     assert before == after
+
+
+def _module_level_imports(body):
+    "The altgrad modules imported by statements that run at import time (not inside functions or classes)."
+    for n in body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)): continue
+        if isinstance(n, ast.Import): yield from (a.name.split(".")[1] for a in n.names if a.name.startswith("altgrad."))
+        elif isinstance(n, ast.ImportFrom):
+            mod = n.module or ""
+            if n.level == 1 and not mod or mod == "altgrad": yield from (a.name for a in n.names)      # from . import x
+            elif n.level == 1 or mod.startswith("altgrad."): yield mod.split(".")[-1]
+        else:
+            for f in ("body", "orelse", "finalbody", "handlers"):
+                yield from _module_level_imports(getattr(n, f, []) or [])
+
+
+def test_notebooks_are_numbered_by_dependency():
+    "A module imports, at module level, only modules whose notebooks have lower numbers (imports inside functions may look ahead)."
+    import re
+    num, deps = {}, {}
+    for p in (ROOT / "altgrad").glob("*.py"):
+        m = re.search(r"nbs/(\d+)_\w+\.ipynb", p.read_text())
+        if not m: continue
+        num[p.stem] = int(m.group(1))
+        deps[p.stem] = set(_module_level_imports(ast.parse(p.read_text()).body))
+    assert len(num) >= 20, num
+    late = [(m, d) for m, ds in deps.items() for d in ds if d in num and num[d] >= num[m] and d != m]
+    assert not late, f"module-level imports of later notebooks: {late}"
 
 
 def test_unknown_format_lists_valid_ones():

@@ -1,5 +1,5 @@
 "System tests of the multi-seed study (planned by altgrad.study, written up by altgrad.answer, run by altgrad.study_cli) on the smoke preset: two shards plus --collect, the CLI, resume, papermill."
-import contextlib, io, json, os, shutil, subprocess, sys
+import contextlib, io, json, os, shutil, subprocess, sys, time
 from pathlib import Path
 import pytest
 
@@ -301,7 +301,7 @@ def test_decisive_trains_in_shards_and_resumes(study, tmp_path):
     choice = inputs["lr_choice"]                     # the protocol is written before any run; the choice before the seed phase
     assert inputs["protocol"]["tuning_seeds"] == [42] and choice is not None and inputs["vocab"]["size"] and inputs["analysis"]
     rc, log = inproc(*args, "--out", out)
-    assert rc == 0 and "0 trained" in log and "resuming" not in log, log[-2000:]
+    assert rc == 0 and re.search(r"\b0 trained", log) and "resuming" not in log, log[-2000:]
     st = json.loads((out / "study.json").read_text())
     assert st["complete"] and len(names(out)) == 2 * 2 + 2 * (2 + 2) == len(st["runs"])          # tuning + held-out (refs + cells)
     assert sum(map(trained, [l for _, l in logs])) == len(names(out))
@@ -313,6 +313,47 @@ def test_decisive_trains_in_shards_and_resumes(study, tmp_path):
     # the protocol is fixed: the same folder refuses other held-out seeds
     rc, log = inproc(*[a if a != "43,44" else "43,45" for a in args], "--out", out)
     assert rc == 2 and "fixed another protocol" in log, log[-1500:]
+
+
+def test_shards_share_work(small_data, tmp_path):
+    """Two shard processes on one folder with --share-work (what the decisive study runs), the second started once the first
+    has finished a run: each trains the other's unclaimed runs when its own are done and waits for the ones still training,
+    so neither stops to wait for the other's tuning runs, the first trains runs of the second's share, and no run is
+    trained twice; the unsharded
+    command then reuses every run. A finished run that no longer matches its config is moved aside, never deleted."""
+    import re, yaml
+    args = ["--design", "decisive", "--preset", "smoke", "--formats", "E4M3", "--rules", "nearest", "--tuning-seeds", "42",
+            "--heldout-seeds", "43,44", "--steps", "6", "--lr-mults", "1,3", "--max-extensions", "0", "--data-dir", small_data]
+    out = tmp_path / "shared"
+    exe = [sys.executable, "-c", "import sys; from altgrad.study_cli import study_cli; sys.exit(study_cli(sys.argv[1:]))"]
+    logs = [tmp_path / f"shard{i}.log" for i in (0, 1)]
+    start = lambda i: subprocess.Popen(exe + [str(a) for a in args] + ["--out", str(out), "--shard", f"{i}/2", "--share-work"],
+                                       cwd=ROOT, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT)
+    procs = [start(0)]
+    try:           # shard 1 starts once shard 0 has finished a run: shard 0 runs out of its own work first and must help
+        t0 = time.time()
+        while not list((out / "runs").glob("*/summary.json")) and procs[0].poll() is None and time.time() - t0 < 600: time.sleep(0.2)
+        procs.append(start(1))
+        for p in procs: p.wait(timeout=900)
+    finally:
+        for p in procs: p.kill()
+    text = [l.read_text() for l in logs]
+    assert [p.returncode for p in procs] == [0, 0] and all(f"shard {i}/2 done" in t for i, t in enumerate(text)), [t[-1500:] for t in text]
+    trained = [sum(int(n) for n in re.findall(r"(\d+) trained", t)) for t in text]
+    helped = [sum(int(n) for n in re.findall(r"(\d+) of them for other shards", t)) for t in text]
+    assert sum(trained) == len(names(out)) == 2 * 2 + 2 * (2 + 2) and sum(helped) > 0, (trained, helped, sorted(names(out)))
+    rc, log = inproc(*args, "--out", out)
+    assert rc == 0 and re.search(r"\b0 trained", log) and json.loads((out / "study.json").read_text())["complete"], log[-2000:]
+    rc, log = inproc(*args, "--out", out, "--share-work")
+    assert rc == 2 and "--share-work goes with --shard" in log, log[-500:]
+    # a finished run whose config no longer matches (here: its lr edited) is retrained, and the old one kept in _previous/
+    run = next(p for p in sorted((out / "runs").iterdir()) if p.name.startswith("ref-fp32-"))
+    cfg = yaml.safe_load((run / "config.yaml").read_text()); cfg["lr"] *= 2; (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    old = (run / "summary.json").read_bytes()
+    rc, log = inproc(*args, "--out", out)
+    assert rc == 0 and re.search(r"\b1 trained", log) and "moves to its _previous/ folder" in log, log[-2000:]
+    kept = list((run / "_previous").glob("*/summary.json"))
+    assert len(kept) == 1 and kept[0].read_bytes() == old and (run / "summary.json").exists(), kept
 
 
 def test_no_import_cycle():

@@ -166,11 +166,20 @@ def test_concurrent_prepare_shares_one_folder(tmp_path):
     assert load_meta(out)["max_docs"] == 400
 
 
+def _main_job_refused(tmp_path, fmt, out, data):
+    "The error of `papermill nbs/run_format.ipynb -p fmt FMT -p preset smoke -p out_dir OUT`, which must refuse to run."
+    import papermill as pm
+    with pytest.raises(pm.PapermillExecutionError) as e:
+        pm.execute_notebook(str(ROOT / "nbs" / "run_format.ipynb"), str(tmp_path / "run.ipynb"), cwd=str(ROOT), kernel_name="python3",
+                            parameters=dict(fmt=fmt, preset="smoke", out_dir=str(out), data_dir=str(data), wandb_mode="disabled"),
+                            progress_bar=False)
+    return e.value
+
+
 def test_main_job_refuses_to_replace_a_writeup(data, tmp_path):
     """`papermill nbs/run_format.ipynb -p fmt E7M0 -p preset smoke` with no `steps`: the preset's length, not a notebook
     default. A committed write-up of another config (here 500 steps) in out_dir is refused in one line before anything
     trains, naming `-p overwrite True` and `-p out_dir`, and the tree stays byte-identical."""
-    import papermill as pm
     from altgrad.config import save_config
     from altgrad.sweep import format_config
     out = tmp_path / "outputs"
@@ -181,11 +190,8 @@ def test_main_job_refuses_to_replace_a_writeup(data, tmp_path):
     (out / "E7M0" / "report.md").write_text("# committed write-up\n")
     snap = lambda: {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     before = snap()
-    with pytest.raises(pm.PapermillExecutionError) as e:
-        pm.execute_notebook(str(ROOT / "nbs" / "run_format.ipynb"), str(tmp_path / "run.ipynb"), cwd=str(ROOT), kernel_name="python3",
-                            parameters=dict(fmt="E7M0", preset="smoke", out_dir=str(out), data_dir=str(data), wandb_mode="disabled"),
-                            progress_bar=False)
-    msg = e.value.evalue
+    e = _main_job_refused(tmp_path, "E7M0", out, data)
+    msg = e.evalue
     assert "max_steps: 500 -> 20" in msg and "-p overwrite True" in msg and "-p out_dir" in msg and "\n" not in msg, msg
     assert snap() == before
 
@@ -194,18 +200,14 @@ def test_main_job_refuses_to_replace_a_reuse_page(data, tmp_path):
     """A committed "run reused" page (`report.md` + `reused.json`, no run beside it: what `sweep.mark_reused` leaves) is a
     write-up too: `papermill nbs/run_format.ipynb -p fmt E0M7` refuses in the same one line before anything trains, and
     the tree stays byte-identical."""
-    import papermill as pm
     out = tmp_path / "outputs"; dest = out / "E0M7"; dest.mkdir(parents=True)
     (dest / "reused.json").write_text(json.dumps(dict(reused_from="E1M6", format="E0M7", source_format="E1M6", power_of_two=-1,
                                                       note="E0M7: same grid as E1M6 up to 2^-1 (E0M7 = 2^-1 × E1M6); run reused")) + "\n")
     (dest / "report.md").write_text("# E0M7: run reused\n\nThe run is in [../E1M6/run](../E1M6/run).\n")
     snap = lambda: {p.relative_to(tmp_path): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file() and p.name != "run.ipynb"}
     before = snap()
-    with pytest.raises(pm.PapermillExecutionError) as e:
-        pm.execute_notebook(str(ROOT / "nbs" / "run_format.ipynb"), str(tmp_path / "run.ipynb"), cwd=str(ROOT), kernel_name="python3",
-                            parameters=dict(fmt="E0M7", preset="smoke", out_dir=str(out), data_dir=str(data), wandb_mode="disabled"),
-                            progress_bar=False)
-    msg = e.value.evalue
+    e = _main_job_refused(tmp_path, "E0M7", out, data)
+    msg = e.evalue
     assert "report.md and reused.json but no finished run of this config" in msg and "-p overwrite True" in msg, msg
-    assert "\n" not in msg and e.value.ename == "RunConflict", msg
+    assert "\n" not in msg and e.ename == "RunConflict", msg
     assert snap() == before and sorted(p.name for p in dest.iterdir()) == ["report.md", "reused.json"]
