@@ -4,14 +4,16 @@
 
 # %% ../nbs/27_bench.ipynb #2da6149b
 from __future__ import annotations
-import argparse, json, platform, statistics, sys, time
+import argparse, json, os, platform, statistics, subprocess, sys, tempfile, time
+from pathlib import Path
 from typing import Callable
 import torch
 from .formats import FORMAT_REGISTRY, quantize
 
 # %% auto #0
-__all__ = ['COMPILE_PROBE', 'DEFAULT_RULES', 'RULE_TARGETS', 'time_side_by_side', 'bench_quantize', 'interleave_steps',
-           'bench_rules', 'unmet_goals', 'main']
+__all__ = ['COMPILE_PROBE', 'BYTES_PER_ELEMENT', 'DEFAULT_RULES', 'RULE_TARGETS', 'time_side_by_side', 'bench_quantize',
+           'interleave_steps', 'bench_rules', 'unmet_goals', 'peak_matmul_tflops', 'mfu', 'run_wave', 'knee',
+           'bench_jobs', 'main']
 
 # %% ../nbs/27_bench.ipynb #ce63491f
 def time_side_by_side(fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 1,
@@ -28,7 +30,9 @@ def time_side_by_side(fns: dict[str, Callable[[], object]], repeats: int = 7, wa
 
 # %% ../nbs/27_bench.ipynb #7cc4aab1
 def _env(device) -> dict:
-    return dict(device=str(device), torch=torch.__version__, threads=torch.get_num_threads(),
+    "Where a benchmark ran: device (with the GPU's name and the CUDA version on CUDA), torch, threads, CPU, Python."
+    gpu = dict(gpu=torch.cuda.get_device_name(torch.device(device)), cuda=torch.version.cuda) if str(device).startswith("cuda") else {}
+    return dict(device=str(device), **gpu, torch=torch.__version__, threads=torch.get_num_threads(),
                 cpu=platform.processor() or platform.machine(), python=platform.python_version())
 
 def _sync_for(device) -> Callable[[], None]:
@@ -54,14 +58,18 @@ def bench_quantize(numel: int = 16 * 2**20, formats=None, roundings=("nearest", 
     t = time_side_by_side(fns, repeats=repeats, sync=_sync_for(device))
     base = t["native_e5m2"]
     ratios = {k: round(v / base, 3) for k, v in t.items()}
+    moved = BYTES_PER_ELEMENT * numel
     targets = {"nearest": 1.0, "stochastic": 1.5}
     worst = {r: max(ratios[f"{n}/{r}"] for n in formats) for r in roundings}
     return dict(benchmark="quantize", numel=numel, **_env(device), repeats=repeats,
                 native_e5m2_seconds=round(base, 5), compile_seconds=compile_s, ratio_to_native_e5m2=ratios,
+                bytes_per_element=BYTES_PER_ELEMENT, gb_per_s={k: round(moved / v / 1e9, 1) for k, v in t.items()},
+                share_of_clone_bandwidth={k: round(t["clone"] / v, 3) for k, v in t.items()},
                 worst=worst, targets={r: targets[r] for r in roundings},
                 met=all(worst[r] <= targets[r] for r in roundings))
 
 COMPILE_PROBE = 1 << 16
+BYTES_PER_ELEMENT = 8   # one float32 read and one float32 write: the memory floor of any elementwise pass (`clone` measures it)
 
 # %% ../nbs/27_bench.ipynb #14c5f372
 DEFAULT_RULES = ("nearest", "stochastic", "kahan", "madam_nearest", "lion_nearest")   # regimes.UPDATE_RULES names
@@ -123,6 +131,59 @@ def unmet_goals(res, path: str = "") -> list[str]:
     here = [path or "met"] if res.get("met") is False else []
     return here + [p for k, v in res.items() for p in unmet_goals(v, f"{path}.{k}" if path else str(k))]
 
+# %% ../nbs/27_bench.ipynb #d7b2e9d0
+def peak_matmul_tflops(device: str = "cuda", n: int = 8192, dtype: torch.dtype = torch.bfloat16, repeats: int = 10) -> float:
+    "Measured rate (TFLOP/s) of one dense `n × n × n` product in `dtype` on random data: the ceiling MFU is taken against."
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    t = time_side_by_side({"mm": lambda: a @ b}, repeats=repeats, warmup=3, sync=_sync_for(device))["mm"]
+    return 2 * n ** 3 / t / 1e12
+
+def mfu(flops_per_step: float, step_time: float, peak_tflops: float) -> float:
+    "Model FLOP utilisation: the model's FLOPs per second over the measured ceiling."
+    return flops_per_step / step_time / (peak_tflops * 1e12)
+
+# %% ../nbs/27_bench.ipynb #ae688464
+def _train_cmd(preset: str, data_dir, out_dir, steps: int, overrides: dict) -> list[str]:
+    return [sys.executable, "-m", "altgrad.trainer", preset, f"data_dir={data_dir}", f"out_dir={out_dir}", f"max_steps={steps}",
+            "wandb_mode=disabled", *[f"{k}={v}" for k, v in overrides.items()], "--no-progress"]
+
+def run_wave(n: int, preset: str, data_dir, out, steps: int, overrides: dict | None = None) -> dict:
+    "Start `n` one-thread training processes at once; wall seconds until the last ends, and their median step time."
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    procs, t0 = [], time.perf_counter()
+    for i in range(n):
+        d = Path(out) / f"jobs{n}-{i}"; d.mkdir(parents=True, exist_ok=True)
+        with open(d / "stderr.log", "w") as err:
+            procs.append((d, subprocess.Popen(_train_cmd(preset, data_dir, d, steps, {**(overrides or {}), "seed": 42 + i}),
+                                              env=env, stdout=subprocess.DEVNULL, stderr=err)))
+    codes = [p.wait() for _, p in procs]
+    wall = time.perf_counter() - t0
+    if bad := [str(d) for (d, _), c in zip(procs, codes) if c]:
+        raise RuntimeError(f"run_wave: {len(bad)} of {n} runs failed; see stderr.log in {', '.join(bad)}")
+    st = [json.loads((d / "summary.json").read_text())["step_time"] for d, _ in procs]
+    return dict(jobs=n, wall_s=round(wall, 2), step_time=round(statistics.median(st), 5),
+                steps_per_s=round(n * steps / wall, 3))
+
+# %% ../nbs/27_bench.ipynb #86f32480
+def knee(curve: list[dict], share: float = 0.9, key: str = "steps_per_s") -> int:
+    "The smallest `jobs` whose `key` is within `share` of the best in `curve`."
+    best = max(w[key] for w in curve)
+    return min(w["jobs"] for w in curve if w[key] >= share * best)
+
+def bench_jobs(preset: str = "gpu", jobs=(1, 2, 4, 8), steps: int = 200, data_dir: str | None = None,
+               knee_share: float = 0.9, **overrides) -> dict:
+    "Runs per hour against concurrent runs per device (`run_wave` for each count in `jobs`); the knee is `--jobs`' default."
+    from altgrad.config import load_config
+    full = load_config(preset, **overrides).max_steps
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = str(data_dir) if data_dir else _bench_data(tmp)
+        curve = [run_wave(n, preset, data_dir, Path(tmp) / "runs", steps, overrides) for n in jobs]
+        device = json.loads(next((Path(tmp) / "runs").glob("*/summary.json")).read_text())["device"]
+    for w in curve: w["runs_per_hour_at_full_length"] = round(3600 * w["steps_per_s"] / full, 2)
+    return dict(benchmark="jobs", preset=preset, steps=steps, full_length_steps=full, overrides=overrides, **_env(device),
+                curve=curve, knee_share=knee_share, knee=knee(curve, knee_share))
+
 # %% ../nbs/27_bench.ipynb #acace413
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `altgrad-bench` console script."
@@ -151,20 +212,34 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile the 8-bit trainer over STEPS further steps: share of time in the 8-bit layers, top operators")
     t.add_argument("--no-shadow", action="store_true", help="without --rules: leave out the +shadow trainers")
+    t.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the preset's, auto = CUDA when there is one)")
+    j = sub.add_parser("jobs", help="runs per hour against concurrent runs per device; the knee is --jobs' default", parents=[strict])
+    j.add_argument("--preset", default="gpu")
+    j.add_argument("--jobs", default="1,2,4,8", help="comma-separated counts of concurrent runs")
+    j.add_argument("--steps", type=int, default=200, help="steps per run of each wave")
+    j.add_argument("--data-dir", default=None)
+    j.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TrainConfig override of every run (repeatable)")
     a = p.parse_args(argv)
+    dev = {"device": a.device} if getattr(a, "device", None) and a.what == "train" else {}
     if a.what == "quantize":
         from altgrad.formats import get_format
         try: fmts = [get_format(f.strip()).name for f in a.formats.split(",") if f.strip()]
         except ValueError as e: p.error(str(e))
         res = bench_quantize(a.numel, fmts, tuple(r.strip() for r in a.roundings.split(",")), a.repeats, a.device, a.eager)
+    elif a.what == "jobs":
+        from altgrad.config import parse_overrides
+        try: counts = [int(n) for n in a.jobs.split(",")]
+        except ValueError: p.error(f"--jobs: comma-separated counts, got {a.jobs!r}")
+        if not counts or min(counts) < 1: p.error(f"--jobs: counts must be >= 1, got {a.jobs!r}")
+        res = bench_jobs(a.preset, counts, a.steps, a.data_dir, **parse_overrides(a.set))
     elif a.rules is not None:
         rules = [r.strip() for r in a.rules.split(",") if r.strip()]
         bad = [r for r in rules if r not in UPDATE_RULES]
         if bad: p.error(f"--rules: unknown rule(s) {bad}; valid: {', '.join(UPDATE_RULES)}")
-        res = bench_rules(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup, rules=rules, shadow=a.shadow)
+        res = bench_rules(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup, rules=rules, shadow=a.shadow, **dev)
     else:
         from altgrad.trainer import bench_train
-        res = bench_train(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup,
+        res = bench_train(**dev, preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup,
                           profile=a.profile, shadow=not a.no_shadow)
     print(json.dumps(res, indent=1))
     missed = unmet_goals(res)

@@ -21,9 +21,9 @@ __all__ = ['SMOOTH_WINDOW', 'HEATMAP_PERCENTILE', 'AVG_STEPS', 'FIG_DPI', 'LAYER
            'failure_analysis', 'mean_quantized_cos', 'divergence_steps', 'verdict', 'train_loss_avg', 'progress_lost',
            'layer_counts', 'run_summary', 'fmt_num', 'precision_note', 'layer_group', 'has_mechanism', 'layer_groups',
            'mechanism_table', 'regime_of', 'mechanism_rule', 'plot_mechanism', 'ratio_histograms', 'share_below_half',
-           'plot_ratio_histograms', 'mechanism_section', 'write_report', 'model_layers', 'count_8bit_layers',
-           'summary_row', 'summary_rows', 'plot_sweep', 'plot_reference', 'layout_text', 'write_summary',
-           'report_inputs', 'regenerate_report', 'summary_inputs', 'regenerate_summary', 'report_cli']
+           'plot_ratio_histograms', 'mechanism_section', 'device_line', 'write_report', 'model_layers',
+           'count_8bit_layers', 'summary_row', 'summary_rows', 'plot_sweep', 'plot_reference', 'layout_text',
+           'write_summary', 'report_inputs', 'regenerate_report', 'summary_inputs', 'regenerate_summary', 'report_cli']
 
 # %% ../nbs/30_report.ipynb #855c193a
 SMOOTH_WINDOW = 25   # steps of the running mean drawn over the training loss
@@ -555,6 +555,11 @@ def _ranks_row(run) -> dict:
     if ga > 1: return {"global batch": f"{gb} sequences = {b} per micro-batch × {ga} accumulation (one process)"}
     return {}
 
+def device_line(summary: dict) -> str:
+    "`cuda (NVIDIA H200; torch 2.11.0, CUDA 13.0)`: the device, and on a GPU its name and the versions (runs that recorded them)."
+    dev, gpu = summary.get("device", "?"), summary.get("gpu")
+    return f"{dev} ({gpu}; torch {summary.get('torch', '?')}, CUDA {summary.get('cuda', '?')})" if gpu else str(dev)
+
 def _setup_lines(run: Run, ref: Run | None, extra_setup: dict | None) -> list[str]:
     "The report's title-less 'Setup' section: the setup table and what is 8-bit."
     cfg, name = run.config, run.fmt or "reference"
@@ -565,7 +570,7 @@ def _setup_lines(run: Run, ref: Run | None, extra_setup: dict | None) -> list[st
                  optimizer=cfg.get("optimizer", "adamw"),
                  interventions=cfg.get("interventions"), steps=cfg.get("max_steps"), seed=cfg.get("seed"),
                  model=f"{cfg.get('n_layer')} layers × {cfg.get('n_embd')} wide, block {cfg.get('block_size')}, batch {cfg.get('batch_size')}",
-                 device=run.summary.get("device", "?"), **_ranks_row(run), **(extra_setup or {}))
+                 device=device_line(run.summary), **_ranks_row(run), **(extra_setup or {}))
     if ref is not None and ref.config.get("optimizer", "adamw") != setup["optimizer"]:
         setup["optimizer"] += f" (the reference: {ref.config.get('optimizer', 'adamw')})"
     return ["## Setup", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in setup.items()] + ["", precision_note(run), ""]

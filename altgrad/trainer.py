@@ -35,8 +35,8 @@ from torch.nn.parallel import DistributedDataParallel
 __all__ = ['RUN_FILES', 'TRAIN_TARGET', 'PROFILE_REGIONS', 'lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists',
            'run_state', 'config_changes', 'move_to_previous', 'claim_out_dir', 'Trainer', 'decay_factors',
            'lr_scale_of', 'grid_params', 'quantized_cosine', 'layer_census', 'eval_windows', 'window_batch',
-           'check_ranks_agree', 'Interrupted', 'catch_interrupts', 'progress_label', 'train_cli', 'layer_time_share',
-           'bench_train']
+           'check_ranks_agree', 'Interrupted', 'catch_interrupts', 'progress_label', 'device_info', 'train_cli',
+           'layer_time_share', 'bench_train']
 
 # %% ../nbs/26_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -531,6 +531,12 @@ def progress_label(cfg, amp_dtype=None) -> str:
     return f"{cfg.fmt} + {a}" if cfg.fmt else a
 
 # %% ../nbs/26_trainer.ipynb #2db6232c
+def device_info(device) -> dict:
+    "The torch version and, on CUDA, the GPU's name and the CUDA version: what a write-up must state about where it ran."
+    cuda = torch.device(device).type == "cuda"
+    return dict(torch=torch.__version__, cuda=torch.version.cuda if cuda else None,
+                gpu=torch.cuda.get_device_name(torch.device(device)) if cuda else None)
+
 @patch
 def _summary(self: Trainer, reason, start_step: int, seconds: float, perf: list) -> dict:
     "What `summary.json` says about this process's part of the run."
@@ -545,6 +551,7 @@ def _summary(self: Trainer, reason, start_step: int, seconds: float, perf: list)
         tokens_per_sec=self.tokens_per_step / statistics.median(st) if st else None,
         shadow_time=statistics.median(p[1] for p in perf) if perf and self.shadow is not None else None,
         device=self.device, autocast=str(self.amp_dtype).replace("torch.", "") if self.amp_dtype else None,
+        **device_info(self.device),
         world_size=self.world, global_batch=self.global_batch,
         fmt=cfg.fmt, num_params=self.model.num_params(),
         **layer_census(self.model),
@@ -670,6 +677,17 @@ def layer_time_share(trainer, steps: int = 10, top: int = 12) -> dict:
     return dict(steps=steps, wall_per_step=wall / steps, **share,
                 top_self_time_share={e.key: round(e.self_cpu_time_total / 1e6 / wall, 4) for e in ops})
 
+def _utilisation(flops: float, step_time: dict, device, amp_dtype) -> dict:
+    "Model FLOPs per step and, on CUDA, MFU of each variant against the measured matmul ceiling of the step's dtype."
+    out = dict(model_flops_per_step=flops, model_tflops={k: flops / v / 1e12 for k, v in step_time.items()})
+    if str(device).startswith("cuda"):
+        from altgrad.bench import peak_matmul_tflops, mfu
+        dt = amp_dtype or torch.float32
+        peak = peak_matmul_tflops(device, dtype=dt)
+        out.update(peak_dtype=str(dt).replace("torch.", ""), peak_tflops_measured=peak,
+                   mfu={k: mfu(flops, v, peak) for k, v in step_time.items()})
+    return out
+
 def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, data_dir: str | None = None,
                 warmup: int = 3, profile: int = 0, shadow: bool = True, **overrides) -> dict:
     """Median step time of plain (/ +shadow) (/ fmt / fmt+shadow) trainers of `preset`, interleaved; ratios to plain.
@@ -691,10 +709,12 @@ def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, 
         times = interleave_steps(trainers, steps, warmup)
         prof = layer_time_share(trainers[fmt], profile) if fmt and profile > 0 else None
         tps = next(iter(trainers.values())).tokens_per_step
+        flops = trainers["plain"].model.compute_split()["flops_total"] * tps      # model FLOPs of one step (no shadow)
         device = next(iter(trainers.values())).device
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = {k: v / med["plain"] for k, v in med.items()}
+    util = _utilisation(flops, med, device, next(iter(trainers.values())).amp_dtype)
     goal = dict(targets={fmt: TRAIN_TARGET}, met=ratio[fmt] <= TRAIN_TARGET) if fmt else {}
     return dict(preset=preset, fmt=fmt, steps=steps, device=device, threads=torch.get_num_threads(), torch=torch.__version__,
-                tokens_per_step=tps, step_time=med, tokens_per_sec={k: tps / v for k, v in med.items()}, ratio=ratio, **goal,
+                tokens_per_step=tps, step_time=med, tokens_per_sec={k: tps / v for k, v in med.items()}, ratio=ratio, **goal, **util,
                 **({"profile": prof} if prof else {}))

@@ -1,0 +1,35 @@
+#!/bin/bash
+# Issue 20 in one lease of a GPU machine (the device tool's `run`), from the repository root:
+#   carry: .whl (wheels of what the machine lacks), .gpu (the tiktoken cache), outputs/gpu/_data (the prepared EurLex data)
+#   1. the gpu-marked tests (CUDA bit-exactness), 2. the benchmarks (quantize, the 8-bit step vs the BF16 step, the rules,
+#   runs per hour against concurrent runs), 3. the seeds' experiment at the gpu preset (tools/gpu_experiment.py) until the
+#   time left runs out. Everything lands under $OUT as two tars. BUDGET: seconds this script may take in all.
+set -u
+export PYTHONUNBUFFERED=1
+BUDGET=${BUDGET:-570}; T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+cap() { local l=$(( BUDGET - $(el) - 25 )); [ $l -lt $1 ] && echo $l || echo $1; }   # a stage's timeout: its cap, or the time left
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+export PYTHONPATH=/tmp/site:$PWD TIKTOKEN_CACHE_DIR=$PWD/.gpu/tiktoken_cache WANDB_MODE=disabled
+D=outputs/gpu/_data/eurlex; R=/tmp/res; mkdir -p $R      # $OUT returns at most 8 files: R is tarred into it
+BENCH=(python3 -c "import sys; from altgrad.bench import main; sys.exit(main(sys.argv[1:]))")   # an array: `timeout` runs no shell function
+{ nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; nproc; free -g; } > $R/env.txt 2>&1
+echo "[$(el) s] gpu tests"
+ALTGRAD_GPU_DATA=$D ALTGRAD_GPU_REPORT=$R/gpu_tests.jsonl timeout $(cap 150) python3 -m pytest tests/test_gpu.py -m gpu -q -rs -p no:cacheprovider > $R/gpu_tests.log 2>&1
+echo "tests rc=$?"; tail -n 3 $R/gpu_tests.log
+echo "[$(el) s] bench quantize"
+timeout $(cap 60) "${BENCH[@]}" quantize --device cuda --repeats 5 > $R/bench_quantize.json 2> $R/bench_quantize.err; echo "rc=$?"
+echo "[$(el) s] bench train (plain BF16 vs E5M2, shadow)"
+timeout $(cap 90) "${BENCH[@]}" train --preset gpu --fmt E5M2 --steps 12 --warmup 3 --data-dir $D > $R/bench_train.json 2> $R/bench_train.err; echo "rc=$?"
+echo "[$(el) s] bench rules"
+timeout $(cap 60) "${BENCH[@]}" train --preset gpu --fmt E5M2 --rules nearest,stochastic,kahan --steps 12 --warmup 3 --data-dir $D > $R/bench_rules.json 2> $R/bench_rules.err; echo "rc=$?"
+echo "[$(el) s] bench jobs"
+timeout $(cap 150) "${BENCH[@]}" jobs --preset gpu --jobs 1,2,4,8 --steps 100 --data-dir $D > $R/bench_jobs.json 2> $R/bench_jobs.err; echo "rc=$?"
+K=$(python3 -c "import json; print(json.load(open('$R/bench_jobs.json'))['knee'])" 2>/dev/null || echo 8); [ "$K" -lt 7 ] && K=7
+LEFT=$(( BUDGET - $(el) - 45 )); [ $LEFT -lt 150 ] && LEFT=0
+echo "[$(el) s] experiment: jobs $K, deadline $LEFT s"
+[ $LEFT -gt 0 ] && python3 tools/gpu_experiment.py --out outputs/gpu --data-dir $D --preset gpu --jobs $K --deadline $LEFT > $R/experiment.log 2>&1; echo "rc=$?"
+grep -h '"state"' outputs/gpu/experiment.json | sort | uniq -c
+cp outputs/gpu/*.log $R/ 2>/dev/null
+tar -cf $OUT/res.tar -C /tmp res
+tar -czf - --exclude=_data --exclude=checkpoints --exclude='*.log' --exclude=metrics.jsonl --exclude=wandb outputs/gpu | split -b 15m - $OUT/gpu_runs.tgz.   # pieces of <= 15 MiB
+ls -la $OUT; echo "[$(el) s] done"
