@@ -166,7 +166,7 @@ def run_wave(n: int, preset: str, data_dir, out, steps: int, overrides: dict | N
                 steps_per_s=round(n * steps / wall, 3))
 
 # %% ../nbs/27_bench.ipynb #86f32480
-def knee(curve: list[dict], share: float = 0.9, key: str = "steps_per_s") -> int:
+def knee(curve: list[dict], share: float = 0.9, key: str = "runs_per_hour_at_full_length") -> int:
     "The smallest `jobs` whose `key` is within `share` of the best in `curve`."
     best = max(w[key] for w in curve)
     return min(w["jobs"] for w in curve if w[key] >= share * best)
@@ -180,7 +180,9 @@ def bench_jobs(preset: str = "gpu", jobs=(1, 2, 4, 8), steps: int = 200, data_di
         data_dir = str(data_dir) if data_dir else _bench_data(tmp)
         curve = [run_wave(n, preset, data_dir, Path(tmp) / "runs", steps, overrides) for n in jobs]
         device = json.loads(next((Path(tmp) / "runs").glob("*/summary.json")).read_text())["device"]
-    for w in curve: w["runs_per_hour_at_full_length"] = round(3600 * w["steps_per_s"] / full, 2)
+    for w in curve:
+        w["fixed_s"] = round(max(w["wall_s"] - steps * w["step_time"], 0.0), 2)           # start-up, evals, checkpoints, exit
+        w["runs_per_hour_at_full_length"] = round(3600 * w["jobs"] / (w["fixed_s"] + full * w["step_time"]), 2)
     return dict(benchmark="jobs", preset=preset, steps=steps, full_length_steps=full, overrides=overrides, **_env(device),
                 curve=curve, knee_share=knee_share, knee=knee(curve, knee_share))
 

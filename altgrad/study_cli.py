@@ -4,12 +4,13 @@
 
 # %% ../nbs/37_study_cli.ipynb #37a00002
 from __future__ import annotations
-import argparse, json, sys
+import argparse, json, sys, time
 from pathlib import Path
-from .config import ConfigError, parse_overrides
+from .config import ConfigError, parse_overrides, load_config
 from .runs import final_loss
 from .trainer import Interrupted
-from .sweep import check_run, ensure_data, resolve_preset
+from .sweep import (check_run, ensure_data, resolve_preset, FINISHED, Job, JobsInterrupted, run_pool, job_env, runs_on_cpu,
+                           one_thread, portable)
 from .study import (DISTINCT_FORMATS, STUDY_RULES, StudyPlan, Protocol, make_plan, parse_shard, shard_specs, lr_specs,
                            seed_specs, run_dir, spec_config, execute, collect_runs, resolve_choice, write_lr_choice, write_inputs,
                            join_names, load_lr_choice, make_protocol, decisive_plan, tuning_specs, bracket_grids, decisive_lr_specs,
@@ -19,7 +20,8 @@ from .study import (DISTINCT_FORMATS, STUDY_RULES, StudyPlan, Protocol, make_pla
 from .answer import report_study
 
 # %% auto #0
-__all__ = ['refuse_other_design', 'run_study', 'run_decisive', 'study_cli']
+__all__ = ['refuse_other_design', 'run_study', 'run_decisive', 'check_jobs', 'study_total', 'finished_runs', 'shard_commands',
+           'run_jobs', 'train_in_jobs', 'study_cli']
 
 # %% ../nbs/37_study_cli.ipynb #37a00007
 def _waiting_message(plan: StudyPlan, tag: str, sh, collect, cache: dict, data_dir) -> str:
@@ -48,25 +50,31 @@ def refuse_other_design(out, decisive: bool) -> None:
 
 def run_study(preset: str = "cpu", out="outputs/study", formats=None, rules=None, seeds=None, steps: int | None = None,
               lr_mults=None, lr_formats=None, shadow: bool | None = None, shard=None, collect=None, data_dir: str | None = None,
-              lr_choice=None, wandb_mode: str = "disabled", overrides: dict | None = None, log=print) -> dict:
+              lr_choice=None, wandb_mode: str = "disabled", overrides: dict | None = None, log=print, share_work: bool = False) -> dict:
     """Plan, train (or reuse / resume / collect) and write the study; returns `{'status', 'answer', 'counts', 'choice'}`.
 
     `status`: 'complete' (outputs written, every run there), 'incomplete' (outputs written, some runs missing: a collect
     before every shard finished), 'shard-done' (one shard's part finished; merge with `collect`) or 'waiting-for-lr'
-    (a shard that finished its LR part but cannot resolve the LR choice yet)."""
+    (a shard that finished its LR part but cannot resolve the LR choice yet).
+    `share_work=True` (shards sharing `out`, as `run_decisive`): after its own runs of a phase a shard trains the other
+    shards' unclaimed ones (from the end of their list) and waits for those still training, so every shard has every LR
+    run when it chooses the learning rates and no shard stops to wait."""
     plan = make_plan(preset, formats, rules, seeds, steps, lr_mults, lr_formats, shadow, overrides)
     if shard is not None and collect: raise ConfigError("--shard and --collect exclude each other: shards train, --collect merges")
     sh = parse_shard(shard) if isinstance(shard, str) else shard
     out = Path(out); refuse_other_design(out, decisive=False); out.mkdir(parents=True, exist_ok=True)
     data = ensure_data(data_dir or None, out)
-    cache, counts = {}, dict(reused=0, trained=0, present=0, copied=0)
+    cache, counts = {}, dict(reused=0, trained=0, helped=0, present=0, copied=0)
     def do(specs, desc):
         if collect:
             r = collect_runs(plan, specs, [Path(c) for c in collect], out, data, wandb_mode, cache, log)
             counts["present"] += r["present"]; counts["copied"] += r["copied"]
         else:
-            r = execute(plan, shard_specs(specs, sh), out, data, wandb_mode, desc, cache, log)
+            mine = shard_specs(specs, sh)
+            theirs = [s for s in specs if s not in mine][::-1] if share_work and sh else []
+            r = execute(plan, mine + theirs, out, data, wandb_mode, desc, cache, log, wait=bool(share_work and sh))
             counts["reused"] += r["reused"]; counts["trained"] += r["trained"]
+            counts["helped"] += sum(1 for s in theirs if s.name in r["runs"])
     tag = f"shard {sh[0]}/{sh[1]}" if sh else "study"
     do(lr_specs(plan), f"{tag}: LR phase")
     for sp in lr_specs(plan):                     # LR runs of other shards may be here too (a shared --out)
@@ -75,7 +83,7 @@ def run_study(preset: str = "cpu", out="outputs/study", formats=None, rules=None
             if run is not None: cache[sp.name] = run
     choice = resolve_choice(plan, cache, lr_choice)
     tally = lambda: (f"{counts['present']} already here, {counts['copied']} collected" if collect else
-                     f"{counts['reused']} reused, {counts['trained']} trained")
+                     f"{counts['reused']} reused, {counts['trained']} trained" + (f" ({counts['helped']} of them for other shards)" if share_work and sh else ""))
     if choice is None:
         log(f"[altgrad-study] {tag}: LR phase: {tally()}")
         log(_waiting_message(plan, tag, sh, collect, cache, data_dir))
@@ -84,7 +92,8 @@ def run_study(preset: str = "cpu", out="outputs/study", formats=None, rules=None
     do(seed_specs(plan, choice["mults"]), f"{tag}: seed phase")
     log(f"[altgrad-study] {tag}: {tally()}")
     if sh:
-        log(f"[altgrad-study] shard {sh[0]}/{sh[1]} done; merge the shards with `altgrad-study <same options> --collect S_0 ... --out OUT`")
+        log(f"[altgrad-study] shard {sh[0]}/{sh[1]} done; " + ("write the outputs with the same command without --shard" if share_work else
+                                                             "merge the shards with `altgrad-study <same options> --collect S_0 ... --out OUT`"))
         return dict(status="shard-done", answer=None, counts=counts, choice=choice["mults"])
     write_inputs(out, plan, data, data_dir, choice)
     p = report_study(out, log, cache)
@@ -145,6 +154,68 @@ def run_decisive(plan: StudyPlan, proto: Protocol, out="outputs/study", shard=No
     log(f"[altgrad-study] wrote {p}")
     return dict(status="complete" if st["complete"] else "incomplete", answer=p, counts=counts, choice=choice["mults"])
 
+# %% ../nbs/37_study_cli.ipynb #c0b97561
+def check_jobs(a) -> None:
+    "Refuse `--jobs` below 1, and `--jobs N` (N > 1) with an option it sets itself or that trains nothing."
+    if a.jobs < 1: raise ConfigError(f"--jobs {a.jobs}: give the number of concurrent runs, 1 or more")
+    if a.jobs == 1: return
+    clash = [o for o, on in (("--shard", a.shard), ("--collect", a.collect), ("--report-only", a.report_only), ("--share-work", a.share_work)) if on]
+    if clash: raise ConfigError(f"--jobs and {clash[0]} exclude each other: --jobs N trains --out as N shards that share the work "
+                                "(--shard i/N --share-work), then writes the outputs")
+
+def study_total(plan: StudyPlan, proto: Protocol | None = None) -> int:
+    "About how many runs the study has (legacy: the LR choice assumed ×1 where swept; decisive: no grid extension)."
+    if proto is None:
+        m = 1.0 if 1.0 in plan.lr_mults else plan.lr_mults[0]
+        return len({s.name for s in lr_specs(plan)} | {s.name for s in seed_specs(plan, {r: m for r in plan.rules})})
+    first = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults)]
+    return len(first) + len(decisive_seed_specs(plan, proto, {r: 1.0 for r in plan.rules}))
+
+def finished_runs(out, seen: set | None = None) -> int:
+    "How many run folders in `out/runs` hold a finished run (`summary.json`: max_steps or nan); `seen` caches the names found so far."
+    seen = set() if seen is None else seen
+    for p in (Path(out) / "runs").glob("*/summary.json"):
+        if p.parent.name in seen: continue
+        try:
+            if json.loads(p.read_text()).get("stopped_reason") in FINISHED: seen.add(p.parent.name)
+        except (OSError, ValueError): pass
+    return len(seen)
+
+def shard_commands(argv, n: int) -> list[list[str]]:
+    "The N processes of `--jobs N`: this command (`argv`) as shard i/N sharing the work (the last `--jobs` given counts)."
+    exe = [sys.executable, "-c", "import sys; from altgrad.study_cli import study_cli; sys.exit(study_cli(sys.argv[1:]))"]
+    return [exe + [*map(str, argv), "--jobs", "1", "--shard", f"{i}/{n}", "--share-work"] for i in range(n)]
+
+def run_jobs(argv, n: int, out, cpu: bool, total: int = 0) -> dict:
+    """Train the study folder `out` in `n` processes (`shard_commands`; one thread each on CPU), their output in
+    `out/.jobs/shard-<i>.log`, with a progress bar over finished runs (of about `total`); returns `{shard: exit code}`.
+    SIGINT/SIGTERM: every shard stops at a checkpoint, then `JobsInterrupted`."""
+    out, seen, last = Path(out), set(), [0.0, 0]
+    def count():
+        if time.time() - last[0] > 2: last[:] = [time.time(), finished_runs(out, seen)]     # reread every 2 s at most
+        return last[1], max(total, last[1])
+    jobs = [Job(f"shard {i}/{n}", cmd, out / ".jobs" / f"shard-{i}.log") for i, cmd in enumerate(shard_commands(argv, n))]
+    return run_pool(jobs, n, job_env(cpu), count=count, desc="study runs finished", prefix="[altgrad-study]", poll=0.5)
+
+def train_in_jobs(a, argv, plan: StudyPlan, decisive: bool, total: int) -> int | None:
+    """`--jobs N` (parsed options `a`): train the study in N processes (`run_jobs`) before the unsharded command writes it;
+    an exit code (130 / 143) when interrupted, else None (a failed process is named; what it left is trained unsharded)."""
+    refuse_other_design(a.out, decisive)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    ensure_data(a.data_dir or None, a.out)              # prepared here once, not by N processes at once
+    cpu = runs_on_cpu(load_config(plan.preset, **plan.overrides))
+    if cpu: one_thread()                                # what is left to train here: one thread too, as in the shards
+    print(f"[altgrad-study] --jobs {a.jobs}: {a.jobs} processes share {a.out}" + (" (one thread each)" if cpu else "")
+          + f"; their logs in {portable(Path(a.out) / '.jobs')}", flush=True)
+    try: rcs = run_jobs(argv, a.jobs, a.out, cpu, total)
+    except JobsInterrupted as e:
+        print("[altgrad-study] interrupted: every shard stopped (finished runs are kept, an interrupted one keeps its checkpoint); "
+              "rerun the same command to resume", file=sys.stderr)
+        return e.exit_code
+    bad = [k for k, rc in rcs.items() if rc]
+    if bad: print(f"[altgrad-study] {', '.join(bad)} failed (see the line above); this command trains what is left", flush=True)
+    return None
+
 # %% ../nbs/37_study_cli.ipynb #37a00011
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="altgrad-study", description="The multi-seed study: formats × update rules × seeds with "
@@ -167,6 +238,11 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--report-only", action="store_true", help="rewrite answer.md, study.json and the figures from the run folders in --out alone")
     p.add_argument("--share-work", action="store_true", help="with --shard, shards sharing one --out: after its own runs a shard trains "
                    "the others' unclaimed ones and waits for those still training (each run is claimed with a lock in OUT/.claims)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="concurrent runs (default 1: one after another): N processes "
+                   "of this command share --out, each with --shard i/N --share-work (every run is claimed by one of them; one that has "
+                   "finished its share trains the others' unclaimed runs), on CPU with one thread each (OMP_NUM_THREADS=1: N processes "
+                   "for N cores), their logs in OUT/.jobs/; then this command writes the outputs. Ctrl-C stops them all at a checkpoint: "
+                   "rerun the same command to resume")
     p.add_argument("--lr-choice", help="an lr_choice.json (written by --collect) that lets a shard run the seed phase")
     p.add_argument("--data-dir", default=None, help="prepared EurLex folder (default: OUT/_data/eurlex from the shared sample)")
     p.add_argument("--wandb-mode", default="disabled")
@@ -186,8 +262,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--limit-hours", type=float, default=6.0, help="wall-time limit for --estimate (default 6)")
     return p
 
-def _decisive_cli(a, ov) -> int:
-    "The decisive design's part of `study_cli`."
+def _decisive_cli(a, ov, argv=()) -> int:
+    "The decisive design's part of `study_cli` (`argv`: the command's arguments, for `--jobs`)."
     proto = make_protocol(a.tuning_seeds, a.heldout_seeds, a.lr_mults, a.max_extensions, a.sensitivity)
     plan = decisive_plan(a.preset, a.formats, a.rules, proto, a.steps, a.shadow, ov)
     sh = parse_shard(a.shard) if a.shard else None
@@ -202,6 +278,9 @@ def _decisive_cli(a, ov) -> int:
         e = decisive_estimate(plan, proto, secs, a.shards, a.limit_hours)
         print(estimate_text(e)); return 1 if e["over"] else 0
     if a.share_work and not sh: raise ConfigError("--share-work goes with --shard i/n (shards sharing one --out)")
+    if a.jobs > 1:
+        rc = train_in_jobs(a, argv, plan, True, study_total(plan, proto))
+        if rc is not None: return rc
     try: r = run_decisive(plan, proto, a.out, sh, a.collect, a.data_dir, a.wandb_mode, share_work=a.share_work)
     except KeyboardInterrupt as e: return e.exit_code if isinstance(e, Interrupted) else 130
     if r["answer"]: print(r["answer"])
@@ -216,15 +295,18 @@ def _dry_run(plan: StudyPlan, sh, shard_text) -> int:
     return 0
 
 def study_cli(argv: list[str] | None = None) -> int:
-    "`altgrad-study --preset cpu --out outputs/study [--formats ..] [--rules ..] [--seeds ..] [--steps N] [--lr-mults ..] [--shard i/n | --collect DIR ..] [--report-only]`"
+    "`altgrad-study --preset cpu --out outputs/study [--formats ..] [--rules ..] [--seeds ..] [--steps N] [--lr-mults ..] [--shard i/n | --collect DIR ..] [--report-only] [--jobs N]`"
+    argv = sys.argv[1:] if argv is None else [str(x) for x in argv]
     a = _parser().parse_args(argv)
     try:
+        check_jobs(a)
         if a.report_only:
             print(report_study(a.out)); return 0
         ov = parse_overrides(a.set)
-        if (a.design or ("decisive" if resolve_preset(a.preset) == "study" else "legacy")) == "decisive": return _decisive_cli(a, ov)
-        if a.estimate or a.tuning_seeds or a.heldout_seeds or a.sensitivity or a.share_work:
-            raise ConfigError("--estimate, --tuning-seeds, --heldout-seeds, --sensitivity and --share-work belong to --design decisive")
+        if (a.design or ("decisive" if resolve_preset(a.preset) == "study" else "legacy")) == "decisive": return _decisive_cli(a, ov, argv)
+        if a.estimate or a.tuning_seeds or a.heldout_seeds or a.sensitivity:
+            raise ConfigError("--estimate, --tuning-seeds, --heldout-seeds and --sensitivity belong to --design decisive")
+        if a.share_work and not a.shard: raise ConfigError("--share-work goes with --shard i/n (shards sharing one --out)")
         plan = make_plan(a.preset, a.formats, a.rules, a.seeds, a.steps, a.lr_mults, a.lr_formats, a.shadow, ov)
         sh = parse_shard(a.shard) if a.shard else None
         if a.lr_choice: load_lr_choice(a.lr_choice, plan)
@@ -232,8 +314,11 @@ def study_cli(argv: list[str] | None = None) -> int:
         print(f"altgrad-study: {e}", file=sys.stderr); return 2
     if a.dry_run: return _dry_run(plan, sh, a.shard)
     try:
+        if a.jobs > 1:
+            rc = train_in_jobs(a, argv, plan, False, study_total(plan))
+            if rc is not None: return rc
         r = run_study(a.preset, a.out, a.formats, a.rules, a.seeds, a.steps, a.lr_mults, a.lr_formats, a.shadow, sh,
-                      a.collect, a.data_dir, a.lr_choice, a.wandb_mode, ov)
+                      a.collect, a.data_dir, a.lr_choice, a.wandb_mode, ov, share_work=a.share_work)
     except (ConfigError, FileNotFoundError) as e:
         print(f"altgrad-study: {e}", file=sys.stderr); return 2
     except KeyboardInterrupt as e: return e.exit_code if isinstance(e, Interrupted) else 130     # `execute` said how to resume

@@ -4,7 +4,8 @@
 
 # %% ../nbs/31_sweep.ipynb #9d0ef880
 from __future__ import annotations
-import argparse, hashlib, json, re, shutil, sys, time
+import argparse, contextlib, hashlib, json, os, re, shutil, signal, subprocess, sys, threading, time
+from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 import yaml
@@ -19,10 +20,13 @@ from .report import run_summary, write_summary, short_layer, model_layers, nan_o
 __all__ = ['SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'IGNORED_KEYS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'FINISHED', 'WRITEUP_FILES',
            'NOTEBOOK_OVERRIDE_PARAMS', 'resolve_preset', 'run_name', 'reference_overrides', 'reference_dir',
            'ensure_data', 'train', 'saved_config', 'data_identity', 'config_diff', 'config_reasons', 'check_run',
-           'RunConflict', 'run_plan', 'job_plan', 'reference_run', 'format_config', 'grid_key', 'set_aside',
-           'reuse_note', 'mark_reused', 'RetryRefused', 'hot_layers', 'retry_layout', 'find_notebook', 'portable',
-           'notebook_params', 'run_notebook', 'check_overrides', 'settings_note', 'run_sweep', 'conflict_message',
-           'grid_rules', 'update_rule_overrides', 'matrix_note', 'sweep_cli']
+           'RunConflict', 'run_plan', 'job_plan', 'reference_config', 'reference_conflict', 'reference_run',
+           'format_config', 'grid_key', 'set_aside', 'reuse_note', 'mark_reused', 'RetryRefused', 'hot_layers',
+           'retry_layout', 'find_notebook', 'portable', 'notebook_params', 'run_notebook', 'check_overrides',
+           'settings_note', 'sweep_setup', 'refuse_conflicts', 'run_sweep', 'conflict_message', 'grid_rules',
+           'update_rule_overrides', 'matrix_note', 'sweep_cli', 'JobsInterrupted', 'job_env', 'runs_on_cpu',
+           'one_thread', 'Job', 'run_pool', 'train_format', 'pool_plan', 'retry_specs', 'sweep_job', 'sweep_on_cpu',
+           'train_concurrently']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
 SEED_ORDER = ["E5M2", "E3M4", "E1M6", "E7M0", "E0M7", "E4M3"]
@@ -181,18 +185,27 @@ def job_plan(dest, cfg, finished=FINISHED) -> tuple[str, Run | None, list[str]]:
     return action, run, why
 
 # %% ../nbs/31_sweep.ipynb #a8977c64
+def reference_config(out, preset: str = "auto", seed: int = 42, steps: int = 500, data_dir: str | None = None,
+                     wandb_mode: str = "auto", **overrides) -> TrainConfig:
+    "The reference run's config (`out_dir`: its `reference_dir`); `overrides` in `NOT_IN_REFERENCE` are dropped."
+    ref = reference_overrides(overrides)
+    d = reference_dir(out, preset, seed, steps, **ref)
+    return _reference_config(preset, seed, steps, out_dir=str(d), data_dir=ensure_data(data_dir, out), wandb_mode=wandb_mode, **ref)
+
+def reference_conflict(d, why: list[str]) -> RunConflict:
+    "The refusal to replace the reference run in `d`, a run of another config (`why`)."
+    return RunConflict(f"{d} holds a reference run of another config ({'; '.join(why)}): pass --force (force=True) "
+                       "to train it again in its place, or use another output folder")
+
 def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, data_dir: str | None = None,
                   wandb_mode: str = "auto", force: bool = False, **overrides) -> Path:
     "Train (or reuse, see `check_run`) the high-precision reference run; returns its folder. `overrides` in `NOT_IN_REFERENCE` are dropped."
-    ref = reference_overrides(overrides)
-    d = reference_dir(out, preset, seed, steps, **ref)
-    cfg = _reference_config(preset, seed, steps, out_dir=str(d), data_dir=ensure_data(data_dir, out), wandb_mode=wandb_mode, **ref)
+    cfg = reference_config(out, preset, seed, steps, data_dir, wandb_mode, **overrides)
+    d = Path(cfg.out_dir)
     if not force:
         action, run, why = run_plan(d, cfg, finished=("max_steps",))
         if action == "reuse": print(f"reusing reference run {d}"); return d
-        if action == "conflict":
-            raise RunConflict(f"{d} holds a reference run of another config ({'; '.join(why)}): pass --force (force=True) "
-                              "to train it again in its place, or use another output folder")
+        if action == "conflict": raise reference_conflict(d, why)
         if action == "resume":
             print(f"resuming the interrupted reference run in {d}", flush=True); train(cfg.replace(resume=True)); return d
         if d.exists(): print(f"not reusing the reference run in {d}: {'; '.join(why)}; training it again", flush=True)
@@ -381,9 +394,28 @@ def settings_note(cfg, master_weights: str = "fp32", interventions: bool = False
            "NaN policy: stop at the first non-finite step (the seeds' failure study).")
     return "\n\n".join([mw, rule, ovt, nan])
 
+def sweep_setup(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None, interventions: bool = False,
+                data_dir: str = "", wandb_mode: str = "auto", master_weights: str = "fp32", overrides: dict | None = None) -> tuple:
+    "`(out, formats, common, overrides)` of a sweep: its folder made, overrides checked, format names, data prepared, the keywords every run shares."
+    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    overrides = check_overrides(dict(overrides or {}))
+    formats = [get_format(f).name for f in (formats or SEED_ORDER)]
+    data_dir = ensure_data(data_dir or None, out)
+    common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode,
+                  master_weights=master_weights, stop_on_nan=not interventions)
+    return out, formats, common, overrides
+
+def refuse_conflicts(out, formats, common: dict, overrides: dict) -> None:
+    "Raise `RunConflict` (before anything trains) for a format whose folder holds a run or write-up of another config."
+    for fmt in formats:
+        dest = Path(out) / run_name(fmt)                    # (a reuse page alone is the sweep's own: marked again or set aside)
+        action, _, why = job_plan(dest, format_config(fmt, out, **common, **overrides))
+        if action == "conflict" and not ((dest / REUSED_FILE).exists() and not (dest / "run").exists()):
+            raise RunConflict(conflict_message(run_name(fmt), dest, why))
+
 def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None, retry: bool = True,
               interventions: bool = False, data_dir: str = "", wandb_mode: str = "auto", force: bool = False,
-              master_weights: str = "fp32", overrides: dict | None = None) -> Path:
+              master_weights: str = "fp32", overrides: dict | None = None, jobs: int = 1, pooled=None) -> Path:
     """Reference, then every format in the seeds' order (with retries); writes `out/summary.md`.
 
     A run already in `out` is reused when `check_run` allows (same resolved config, complete files) unless `force`, and an
@@ -392,19 +424,19 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
     (an incomplete folder) is trained again, saying why. A format
     grid-equivalent to an earlier one (same config otherwise) reuses that run. `overrides` are extra `TrainConfig`
     keys for every run (e.g. `optimizer`, `weight_update`, `rounding`). `master_weights="format"` keeps every 8-bit
-    layer's weights on its grid (updates below half a grid step are lost): the regime in which bit-stall costs loss."""
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    overrides = check_overrides(dict(overrides or {}))
-    formats = [get_format(f).name for f in (formats or SEED_ORDER)]
-    data_dir = ensure_data(data_dir or None, out)
-    common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode,
-                  master_weights=master_weights, stop_on_nan=not interventions)
-    for fmt in ([] if force else formats):                  # refuse before anything trains
-        dest = out / run_name(fmt)                          # (a reuse page alone is the sweep's own: marked again or set aside)
-        action, _, why = job_plan(dest, format_config(fmt, out, **common, **overrides))
-        if action == "conflict" and not ((dest / REUSED_FILE).exists() and not (dest / "run").exists()):
-            raise RunConflict(conflict_message(run_name(fmt), dest, why))
-    ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode, force=force, **overrides)
+    layer's weights on its grid (updates below half a grid step are lost): the regime in which bit-stall costs loss.
+
+    `jobs` > 1: first `train_concurrently` trains the reference and every run (retries included) in up to `jobs`
+    processes at once; the sequential pass below then finds them finished. `pooled`: names (and 'reference') that such a
+    pass already trained here, which `force` does not train again."""
+    sweep = dict(preset=preset, out=out, steps=steps, seed=seed, formats=formats, interventions=interventions, data_dir=data_dir,
+                 wandb_mode=wandb_mode, master_weights=master_weights, overrides=overrides)
+    if jobs > 1: pooled = train_concurrently([sweep], jobs, retry, force)[str(Path(out))]
+    pooled = set(pooled or ())
+    out, formats, common, overrides = sweep_setup(**sweep)
+    data_dir = common["data_dir"]
+    if not force: refuse_conflicts(out, formats, common, overrides)      # refuse before anything trains
+    ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode, force=force and "reference" not in pooled, **overrides)
     ref_run = load_run(ref)
     from altgrad.data import unigram_baseline
     uni = unigram_baseline(data_dir)
@@ -420,7 +452,8 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
             src = done[key]; info = mark_reused(dest, name, src, fmt, fmt_of[src])
             print(f"[altgrad-sweep] {info['note']}", flush=True)
         else:
-            action, run, why = ("train", None, ["--force"]) if force else run_plan(dest / "run", cfg)
+            forced = force and name not in pooled
+            action, run, why = ("train", None, ["--force"]) if forced else run_plan(dest / "run", cfg)
             if action == "conflict": raise RunConflict(conflict_message(name, dest / "run", why))
             if action == "reuse" and not (dest / "report.md").exists():
                 print(f"[altgrad-sweep] {name}: the finished run in {dest / 'run'} has no write-up yet: writing it", flush=True)
@@ -428,11 +461,11 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
             if action == "reuse": print(f"[altgrad-sweep] {name}: reusing the finished run in {dest}", flush=True)
             else:
                 if action == "resume": print(f"[altgrad-sweep] {name}: resuming the interrupted run in {dest / 'run'}", flush=True)
-                elif dest.exists() and not force: print(f"[altgrad-sweep] {name}: not reusing {dest}: {'; '.join(why)}", flush=True)
+                elif dest.exists() and not forced: print(f"[altgrad-sweep] {name}: not reusing {dest}: {'; '.join(why)}", flush=True)
                 print(f"[altgrad-sweep] {name} ({time.time() - t0:.0f} s)", flush=True)
-                if (dest / REUSED_FILE).exists() and not force:
+                if (dest / REUSED_FILE).exists() and not forced:
                     print(f"[altgrad-sweep] {name}: its reuse page is kept whole in {set_aside(dest)}", flush=True)
-                run_notebook(fmt, out, layer_formats=layout, tag=tag, overrides=overrides, force=force, **common)
+                run_notebook(fmt, out, layer_formats=layout, tag=tag, overrides=overrides, force=forced, **common)
                 run, why = check_run(dest / "run", cfg)
                 if run is None: raise RuntimeError(f"{name}: the experiment notebook did not leave the requested run in {dest / 'run'}: "
                                                    f"{'; '.join(why)}")
@@ -488,7 +521,7 @@ def matrix_note(preset: str, steps: int, seed: int, overrides: dict, formats) ->
             "One seed: a description of this run, not evidence about formats (see `altgrad-study`).")
 
 def sweep_cli(argv: list[str] | None = None) -> int:
-    "`altgrad-sweep --preset PRESET --out DIR [--steps N] [--seed S] [--formats E5M2,E3M4] [--no-retry] [--optimizer O] [--update-rules all] [--set key=value]`"
+    "`altgrad-sweep --preset PRESET --out DIR [--steps N] [--seed S] [--formats E5M2,E3M4] [--no-retry] [--optimizer O] [--update-rules all] [--set key=value] [--jobs N]`"
     p = argparse.ArgumentParser(prog="altgrad-sweep", description="Train every 8-bit format and write DIR/summary.md")
     p.add_argument("--preset", default="auto"); p.add_argument("--out", default="outputs")
     p.add_argument("--steps", type=int, default=500); p.add_argument("--seed", type=int, default=42)
@@ -506,8 +539,14 @@ def sweep_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--rounding", help="rounding of the GEMM operands W, A, G (nearest, stochastic)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other TrainConfig override for every run (repeatable), e.g. --set lr=3e-4")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="concurrent runs (default 1: one after another): keep N runs going on the device, each in its own process "
+                   "(on CPU with one thread each, OMP_NUM_THREADS=1: N processes for N cores; the rest of the sweep then runs "
+                   "with one thread too); the reference, every format and every retry (with --update-rules: of every rule) "
+                   "train in the pool, logs in DIR/.jobs/, then the sweep goes on as without --jobs and finds them finished")
     a = p.parse_args(argv)
     try:
+        if a.jobs < 1: raise ConfigError(f"--jobs {a.jobs}: give the number of concurrent runs, 1 or more")
         fmts = [get_format(f.strip()).name for f in a.formats.split(",") if f.strip()]
         overrides = parse_overrides(a.set)
         for k in NOTEBOOK_OVERRIDE_PARAMS:
@@ -523,12 +562,267 @@ def sweep_cli(argv: list[str] | None = None) -> int:
         for ov in per_rule.values(): load_config(resolve_preset(a.preset), master_weights=a.master_weights, **ov)
     except (ValueError, ConfigError) as e:
         print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
+    outs = {rule: Path(a.out) / rule if rule else a.out for rule in per_rule}
+    pooled = {}
+    if a.jobs > 1:                     # every run of every rule in one pool of processes, then the sequential pass below
+        sweeps = [dict(preset=a.preset, out=outs[rule], steps=a.steps, seed=a.seed, formats=fmts, interventions=a.interventions,
+                       data_dir=a.data_dir, wandb_mode=a.wandb_mode, master_weights=a.master_weights, overrides=ov)
+                  for rule, ov in per_rule.items()]
+        try:
+            if sweep_on_cpu(sweeps[0]): one_thread()
+            pooled = train_concurrently(sweeps, a.jobs, not a.no_retry, a.force)
+        except RunConflict as e: print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
+        except JobsInterrupted as e:
+            print(f"[altgrad-sweep] interrupted: the runs in progress stopped at a checkpoint (finished ones are kept); "
+                  "rerun the same command to resume", file=sys.stderr); return e.exit_code
     for rule, ov in per_rule.items():
-        out = Path(a.out) / rule if rule else a.out
+        out = outs[rule]
         try: print(run_sweep(a.preset, out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir, a.wandb_mode, a.force,
-                             a.master_weights, ov))
+                             a.master_weights, ov, pooled=pooled.get(str(Path(out)))))
         except RunConflict as e: print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
     if a.update_rules is not None:
         from altgrad.matrix import write_matrix
         print(write_matrix(a.out, note=matrix_note(a.preset, a.steps, a.seed, overrides, fmts)))
     return 0
+
+# %% ../nbs/31_sweep.ipynb #607444eb
+class JobsInterrupted(KeyboardInterrupt):
+    "A pool of run processes stopped by SIGINT/SIGTERM (each got SIGTERM: a trainer checkpoints and exits); `exit_code` 130 / 143."
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}"); self.signum = int(signum)
+    @property
+    def exit_code(self) -> int: return 128 + self.signum
+
+def job_env(cpu: bool, env: dict | None = None) -> dict:
+    "The environment of one run process: on CPU one thread (`OMP_NUM_THREADS=1`, `MKL_NUM_THREADS=1`), so N processes share N cores."
+    e = dict(os.environ if env is None else env)
+    if cpu: e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    e["PYTHONUNBUFFERED"] = "1"                     # the log shows what the process did until it stopped
+    return e
+
+def runs_on_cpu(cfg) -> bool:
+    "Does `cfg` (a `TrainConfig`) train on the CPU (`device` cpu, or auto without CUDA)?"
+    from altgrad.config import resolve_device
+    return resolve_device(cfg) == "cpu"
+
+def one_thread() -> None:
+    "This process and those it starts compute with one thread (what each `--jobs` process does on CPU)."
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"); torch.set_num_threads(1)
+
+@dataclass
+class Job:
+    "One process of `run_pool`: argv `cmd`, stdout and stderr to `log`; it starts once every job in `after` exited 0 (lower `rank` first)."
+    id: str
+    cmd: list
+    log: Path
+    label: str = ""
+    after: tuple = ()
+    rank: int = 0
+    info: dict = field(default_factory=dict)
+
+def run_pool(jobs, n: int, env: dict | None = None, on_done=None, count=None, desc: str = "runs", prefix: str = "[altgrad]",
+             poll: float = 0.2) -> dict:
+    """Run `jobs` (`Job`s), at most `n` at a time, each in its own process and session; returns `{id: exit code}` of the
+    jobs that ran (one whose `after` failed never starts: a line says so). A line per job that ends; a failure's names its log.
+    `on_done(job, rc)` may return more jobs to run. The progress bar counts ended jobs, or follows `count()` -> (done, total).
+    SIGINT/SIGTERM/SIGHUP here: every running job's session gets SIGTERM (a third signal: SIGKILL), none starts any more, and once they
+    have all exited `JobsInterrupted` is raised."""
+    from tqdm.auto import tqdm
+    pending, running, rcs, sigs, told = list(jobs), {}, {}, [], set()
+    name = {j.id: j.label or j.id for j in pending}
+    say = lambda m: tqdm.write(m, file=sys.stdout)
+    def tell(p, sig=signal.SIGTERM):
+        told.add(p.pid)
+        with contextlib.suppress(ProcessLookupError): os.killpg(p.pid, sig)   # its whole session: papermill and what it started
+    def forward(signum, frame):
+        sigs.append(signum)
+        for p, *_ in list(running.values()): tell(p, signal.SIGKILL if len(sigs) >= 3 else signal.SIGTERM)
+    main = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if main else {}
+    bar = tqdm(total=len(pending) if count is None else count()[1], unit="run" if count else "job", desc=desc, file=sys.stderr,
+               dynamic_ncols=True)
+    try:
+        while pending or running:
+            for j in [j for j in pending if not sigs and any(rcs.get(a, 0) != 0 for a in j.after)]:      # a job it needs failed
+                pending.remove(j); say(f"{prefix} {j.label or j.id}: not started ({', '.join(name.get(a, a) for a in j.after if rcs.get(a, 0))} failed)")
+            while not sigs and len(running) < n:
+                ready = [j for j in pending if all(rcs.get(a) == 0 for a in j.after)]
+                if not ready: break
+                j = min(ready, key=lambda j: j.rank); pending.remove(j)
+                Path(j.log).parent.mkdir(parents=True, exist_ok=True)
+                f = open(j.log, "w")
+                running[j.id] = (subprocess.Popen([str(c) for c in j.cmd], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                  env=env, start_new_session=True), j, time.time(), f)
+            if not running and (sigs or pending):
+                if sigs: raise JobsInterrupted(sigs[0])
+                for j in pending: say(f"{prefix} {j.label or j.id}: not started (it waits for jobs that never ran: {', '.join(name.get(a, a) for a in j.after)})")
+                break
+            for p, *_ in list(running.values()):
+                if sigs and p.pid not in told: tell(p)         # started as the signal came
+            time.sleep(poll)
+            for k, (p, j, t0, f) in list(running.items()):
+                rc = p.poll()
+                if rc is None: continue
+                f.close(); del running[k]; rcs[j.id] = rc
+                if sigs: continue
+                say(f"{prefix} {j.label or j.id}: " + (f"done ({time.time() - t0:.0f} s)" if rc == 0 else
+                    f"failed (exit {rc}, {time.time() - t0:.0f} s); its log: {portable(j.log)}"))
+                more = list(on_done(j, rc) or []) if on_done else []
+                pending += more; name.update((m.id, m.label or m.id) for m in more)
+                if count is None: bar.total += len(more); bar.update(1)
+            if count is not None:
+                d, t = count()
+                if (d, max(t, d)) != (bar.n, bar.total): bar.total = max(t, d); bar.n = d; bar.refresh()
+        if sigs: raise JobsInterrupted(sigs[0])
+    finally:
+        for p, *_ in running.values(): tell(p)          # an error here: stop the processes (each saves a checkpoint)
+        for p, j, t0, f in running.values():
+            try: p.wait(timeout=120)
+            except subprocess.TimeoutExpired: p.kill(); p.wait()
+            f.close()
+        for s, h in old.items(): signal.signal(s, h)
+        bar.close()
+    return rcs
+
+# %% ../nbs/31_sweep.ipynb #e4ea7c83
+def train_format(fmt: str, out, layer_formats=None, tag: str = "", force: bool = False, overrides: dict | None = None, **common) -> str:
+    """Train (or resume) one format's run, as the experiment notebook's training cell does, without its write-up (a `--jobs`
+    process: it may run while the reference trains); returns what it did ('reuse', 'resume', 'train'). `force`: the
+    write-up and run in out/<name> move whole to its `_previous/` folder first, as the notebook does."""
+    name = run_name(fmt, tag); dest = Path(out) / name
+    cfg = format_config(fmt, out, layer_formats=layer_formats, tag=tag, **common, **(overrides or {}))
+    if force:
+        action, why, moved = "train", [], set_aside(dest)
+        if moved: print(f"the earlier write-up in {dest} is kept whole in {moved}", flush=True)
+    else: action, _, why = run_plan(cfg.out_dir, cfg)
+    if action == "conflict": raise RunConflict(conflict_message(name, cfg.out_dir, why))
+    if action == "reuse": print(f"reusing the finished run in {cfg.out_dir}", flush=True); return action
+    print(f"{'resuming' if action == 'resume' else 'training'} {cfg.out_dir}", flush=True)
+    train(cfg.replace(resume=True) if action == "resume" else cfg, overwrite=action == "train")
+    return action
+
+def _spec(kind: str, name: str, out, common: dict, overrides: dict, **kw) -> dict:
+    "One process of a sweep's pool (JSON: it travels to the process as its argument)."
+    return dict(dict(kind=kind, name=name, id=name if kind == "reference" else f"{name}:{kind}", out=str(out), common=common,
+                     overrides=overrides, fmt=None, layout=None, tag="", force=False, aside=False, trains=True, after=[]), **kw)
+
+def _format_specs(out, fmt: str, common: dict, overrides: dict, keys: dict, force: bool = False, layout=None, tag: str = "",
+                  ref_after=()) -> tuple[str, list]:
+    "(name of the run that `fmt` with `layout` uses, the processes that make it and its write-up); `keys`: grid_key -> name so far."
+    out = Path(out); name = run_name(fmt, tag); dest = out / name
+    cfg = format_config(fmt, out, layer_formats=layout, tag=tag, **common, **overrides)
+    key = grid_key(cfg)
+    if key in keys: return keys[key], []                # grid-equivalent to an earlier run: the sequential pass marks it reused
+    keys[key] = name
+    action = "train" if force else run_plan(dest / "run", cfg)[0]
+    kw = dict(fmt=fmt, layout=layout, tag=tag)
+    spec = lambda kind, **k: _spec(kind, name, out, common, overrides, **kw, **k)
+    if action == "conflict": return name, []            # the sequential pass refuses it
+    if action == "reuse":
+        return name, [] if (dest / "report.md").exists() else [spec("notebook", after=list(ref_after), trains=False)]
+    aside = not force and (dest / REUSED_FILE).exists()  # a reuse page there: kept whole in _previous/, as the pass does
+    if not ref_after: return name, [spec("notebook", force=force, aside=aside)]
+    return name, [spec("train", force=force, aside=aside), spec("notebook", after=[*ref_after, f"{name}:train"], trains=False)]
+
+def pool_plan(out, formats, common: dict, overrides: dict, force: bool = False) -> dict:
+    """The processes `--jobs` starts for one sweep (`sweep_setup`'s `out, formats, common, overrides`) before its sequential
+    pass, in start order: 'reference' (`reference_run`) unless the reference is reusable (a reference of another config:
+    `RunConflict`); per format whose run is not reusable, 'train' (the run alone, `train_format`) then 'notebook' (`run_notebook`:
+    the write-up once the reference is there), or 'notebook' alone when the reference is reusable; a reusable run without its
+    write-up: 'notebook' alone. A format grid-equivalent to an earlier one gets none. Returns `{'jobs': [spec], 'keys':
+    {grid_key: name}, 'source': {format: name of the run it uses}, 'reference': folder, 'out', 'common', 'overrides', 'force'}`."""
+    out = Path(out)
+    rc = reference_config(out, common["preset"], common["seed"], common["steps"], common["data_dir"], common["wandb_mode"], **overrides)
+    action, _, why = ("train", None, []) if force else run_plan(rc.out_dir, rc, finished=("max_steps",))
+    if action == "conflict": raise reference_conflict(rc.out_dir, why)
+    jobs = [_spec("reference", "reference", out, common, overrides, force=force)] if action != "reuse" else []
+    keys, source = {}, {}
+    for fmt in formats:
+        source[fmt], specs = _format_specs(out, fmt, common, overrides, keys, force, ref_after=[j["id"] for j in jobs[:1]])
+        jobs += specs
+    return dict(jobs=jobs, keys=keys, source=source, reference=Path(rc.out_dir), out=out, common=common, overrides=overrides, force=force)
+
+def retry_specs(plan: dict, fmt: str, ref_run=None) -> list:
+    """The process of `fmt`'s retry, decided as the sequential pass decides it (verdict not PASS, then `retry_layout`), once
+    the run `fmt` uses (`plan['source']`) and the reference are finished; [] for none (a PASS, a refused layout, a retry
+    that is reusable or grid-equivalent to a run planned before)."""
+    out = plan["out"]
+    run, _ = check_run(out / plan["source"][fmt] / "run")
+    if run is None: return []                           # not finished: the sequential pass decides
+    if run_summary(run, ref_run if ref_run is not None else load_run(plan["reference"]))["verdict"] == "PASS": return []
+    try: tag, layout = retry_layout(fmt, run, run.config.get("n_layer"))
+    except RetryRefused: return []
+    return _format_specs(out, fmt, plan["common"], plan["overrides"], plan["keys"], plan["force"], layout, tag)[1]
+
+def sweep_job(spec: dict) -> int:
+    "The body of one process of a sweep's pool (`pool_plan`'s spec): 'reference', 'train' (`train_format`) or 'notebook' (`run_notebook`)."
+    from altgrad.trainer import Interrupted
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # the pool's SIGTERM as Ctrl-C: papermill interrupts its kernel, the run checkpoints
+    out, common, ov, force = Path(spec["out"]), spec["common"], spec["overrides"], spec["force"]
+    try:
+        if spec["kind"] == "reference":
+            reference_run(out, common["preset"], common["seed"], common["steps"], common["data_dir"], common["wandb_mode"], force=force, **ov)
+            return 0
+        dest = out / spec["name"]
+        if spec["aside"] and (dest / REUSED_FILE).exists(): print(f"{spec['name']}: its reuse page is kept whole in {set_aside(dest)}")
+        if spec["kind"] == "train": train_format(spec["fmt"], out, spec["layout"], spec["tag"], force, ov, **common)
+        else: print(run_notebook(spec["fmt"], out, layer_formats=spec["layout"], tag=spec["tag"], overrides=ov, force=force, **common))
+    except KeyboardInterrupt as e: return e.exit_code if isinstance(e, Interrupted) else 130
+    return 0
+
+def sweep_on_cpu(sweep: dict) -> bool:
+    "Do the runs of `sweep` (`run_sweep` keywords) train on the CPU?"
+    return runs_on_cpu(load_config(resolve_preset(sweep.get("preset", "auto")), master_weights=sweep.get("master_weights", "fp32"),
+                                   **(sweep.get("overrides") or {})))
+
+def train_concurrently(sweeps: list[dict], jobs: int, retry: bool = True, force: bool = False) -> dict:
+    """Train the runs of `sweeps` (each a dict of `run_sweep` keywords: one, or one per update rule) in up to `jobs`
+    processes at once (`pool_plan`, `run_pool`; retries as soon as they can be decided, `retry_specs`), after refusing
+    conflicts in every sweep before anything trains (unless `force`); returns `{str(out): names the pool trained}`
+    ('reference' for the reference): the sequential pass (`run_sweep(pooled=...)`) reuses them."""
+    plans = []
+    for sw in sweeps:
+        out, formats, common, overrides = sweep_setup(**sw)
+        if not force: refuse_conflicts(out, formats, common, overrides)
+        plans.append(dict(pool_plan(out, formats, common, overrides, force), formats=formats, waiting=list(formats) if retry else []))
+    where = lambda plan, s: f"{plan['out'].name}/{s['name']}" if len(plans) > 1 else s["name"]
+    def job(i, s):
+        plan = plans[i]
+        what = {"train": " (training)", "notebook": "" if s["trains"] else " (write-up)"}.get(s["kind"], "")
+        log = plan["out"] / ".jobs" / f"{s['id'].replace(':', '.')}.log"
+        cmd = [sys.executable, "-c", "import json, sys; from altgrad.sweep import sweep_job; sys.exit(sweep_job(json.loads(sys.argv[1])))",
+               json.dumps(s)]
+        return Job(f"{plan['out']}/{s['id']}", cmd, log, where(plan, s) + what, tuple(f"{plan['out']}/{a}" for a in s["after"]),
+                   {"reference": 0, "notebook": 1}.get(s["kind"], 2), dict(plan=i, spec=s))
+    rcs = {}
+    def retries(i) -> list:
+        "The retries of plan `i` that can be decided now (its reference and the format's run finished)."
+        plan, new = plans[i], []
+        state = lambda jid: 0 if jid is None else rcs.get(f"{plan['out']}/{jid}")       # 0 ok, None running/waiting, else failed
+        trains = {s["name"]: s["id"] for s in plan["jobs"] if s["trains"]}
+        ref = state(trains.get("reference"))
+        for fmt in list(plan["waiting"]):
+            src = state(trains.get(plan["source"][fmt]))
+            if ref is None or src is None: continue
+            plan["waiting"].remove(fmt)
+            if ref or src: continue                     # a process failed: the sequential pass decides
+            try:
+                if "ref_run" not in plan: plan["ref_run"] = load_run(plan["reference"])
+                specs = retry_specs(plan, fmt, plan["ref_run"])
+            except Exception as e:
+                print(f"[altgrad-sweep] {fmt}: could not decide its retry here ({type(e).__name__}: {e}); the sequential pass will", flush=True)
+                continue
+            plan["jobs"] += specs; new += [job(i, s) for s in specs]
+        return new
+    def on_done(j, rc):
+        rcs[j.id] = rc
+        return retries(j.info["plan"])
+    first = [job(i, s) for i, plan in enumerate(plans) for s in plan["jobs"]]
+    first += [j for i in range(len(plans)) for j in retries(i)]
+    if first:
+        cpu = sweep_on_cpu(sweeps[0])
+        print(f"[altgrad-sweep] --jobs {jobs}: {len(first)} processes to start, at most {jobs} at a time"
+              + (" (one thread each)" if cpu else "") + f"; logs in {', '.join(sorted({portable(p['out'] / '.jobs') for p in plans}))}",
+              flush=True)
+        run_pool(first, jobs, job_env(cpu), on_done, desc="sweep processes", prefix="[altgrad-sweep]")
+    return {str(p["out"]): {s["name"] for s in p["jobs"] if s["trains"] and rcs.get(f"{p['out']}/{s['id']}") == 0} for p in plans}

@@ -52,11 +52,16 @@ def _logged(run_dir: Path) -> int:
     except OSError: return 0
 
 
+def _terminal_sigint():
+    "Ctrl-C as a terminal's process has it: a test run launched in the background (`cmd &`) inherits SIGINT ignored."
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(cmd, find_run, sig=signal.SIGINT, after=5, timeout=240):
     """Start `cmd` in its own process group, wait until the run folder `find_run()` has logged `after` steps, send `sig`
     to the group; (exit code, stdout, stderr, run folder)."""
     p = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+                         text=True, start_new_session=True, preexec_fn=_terminal_sigint)
     t0, run = time.monotonic(), None
     try:
         while time.monotonic() - t0 < timeout:
