@@ -5,12 +5,13 @@
 #   runs per hour against concurrent runs), 3. the seeds' experiment at the gpu preset (tools/gpu_experiment.py) until the
 #   time left runs out. Everything lands under $OUT as two tars. BUDGET: seconds this script may take in all.
 set -u
+SITE=$(mktemp -d)   # the carried wheels are installed here
 export PYTHONUNBUFFERED=1
 BUDGET=${BUDGET:-570}; T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 cap() { local l=$(( BUDGET - $(el) - 25 )); [ $l -lt $1 ] && echo $l || echo $1; }   # a stage's timeout: its cap, or the time left
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-export PYTHONPATH=/tmp/site:$PWD TIKTOKEN_CACHE_DIR=$PWD/.gpu/tiktoken_cache WANDB_MODE=disabled
-D=outputs/gpu/_data/eurlex; R=/tmp/res; mkdir -p $R      # $OUT returns at most 8 files: R is tarred into it
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 3
+export PYTHONPATH=$SITE:$PWD TIKTOKEN_CACHE_DIR=$PWD/.gpu/tiktoken_cache WANDB_MODE=disabled
+D=outputs/gpu/_data/eurlex; R=$(mktemp -d); mkdir -p $R      # $OUT returns at most 8 files: R is tarred into it
 BENCH=(python3 -c "import sys; from altgrad.bench import main; sys.exit(main(sys.argv[1:]))")   # an array: `timeout` runs no shell function
 { nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; nproc; free -g; } > $R/env.txt 2>&1
 echo "[$(el) s] gpu tests"
@@ -30,6 +31,6 @@ echo "[$(el) s] experiment: jobs $K, deadline $LEFT s"
 [ $LEFT -gt 0 ] && python3 tools/gpu_experiment.py --out outputs/gpu --data-dir $D --preset gpu --jobs $K --deadline $LEFT > $R/experiment.log 2>&1; echo "rc=$?"
 grep -h '"state"' outputs/gpu/experiment.json | sort | uniq -c
 cp outputs/gpu/*.log $R/ 2>/dev/null
-tar -cf $OUT/res.tar -C /tmp res
+tar -cf $OUT/res.tar -C $R .
 tar -czf - --exclude=_data --exclude=checkpoints --exclude='*.log' --exclude=metrics.jsonl --exclude=wandb outputs/gpu | split -b 15m - $OUT/gpu_runs.tgz.   # pieces of <= 15 MiB
 ls -la $OUT; echo "[$(el) s] done"
