@@ -4,11 +4,12 @@
 
 # %% ../nbs/27_bench.ipynb #2da6149b
 from __future__ import annotations
-import argparse, json, os, platform, statistics, subprocess, sys, tempfile, time
+import argparse, json, platform, statistics, sys, tempfile, time
 from pathlib import Path
 from typing import Callable
 import torch
 from .formats import FORMAT_REGISTRY, quantize
+from .pool import Job, run_pool, job_env, runs_on_cpu
 
 # %% auto #0
 __all__ = ['COMPILE_PROBE', 'BYTES_PER_ELEMENT', 'DEFAULT_RULES', 'RULE_TARGETS', 'time_side_by_side', 'bench_quantize',
@@ -31,8 +32,8 @@ def time_side_by_side(fns: dict[str, Callable[[], object]], repeats: int = 7, wa
 # %% ../nbs/27_bench.ipynb #7cc4aab1
 def _env(device) -> dict:
     "Where a benchmark ran: device (with the GPU's name and the CUDA version on CUDA), torch, threads, CPU, Python."
-    gpu = dict(gpu=torch.cuda.get_device_name(torch.device(device)), cuda=torch.version.cuda) if str(device).startswith("cuda") else {}
-    return dict(device=str(device), **gpu, torch=torch.__version__, threads=torch.get_num_threads(),
+    from altgrad.trainer import device_info         # torch; on CUDA the GPU and the CUDA version (what a run's summary records)
+    return dict(device=str(device), **{k: v for k, v in device_info(device).items() if v is not None}, threads=torch.get_num_threads(),
                 cpu=platform.processor() or platform.machine(), python=platform.python_version())
 
 def _sync_for(device) -> Callable[[], None]:
@@ -148,20 +149,17 @@ def _train_cmd(preset: str, data_dir, out_dir, steps: int, overrides: dict) -> l
     return [sys.executable, "-m", "altgrad.trainer", preset, f"data_dir={data_dir}", f"out_dir={out_dir}", f"max_steps={steps}",
             "wandb_mode=disabled", *[f"{k}={v}" for k, v in overrides.items()], "--no-progress"]
 
-def run_wave(n: int, preset: str, data_dir, out, steps: int, overrides: dict | None = None) -> dict:
-    "Start `n` one-thread training processes at once; wall seconds until the last ends, and their median step time."
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    procs, t0 = [], time.perf_counter()
-    for i in range(n):
-        d = Path(out) / f"jobs{n}-{i}"; d.mkdir(parents=True, exist_ok=True)
-        with open(d / "stderr.log", "w") as err:
-            procs.append((d, subprocess.Popen(_train_cmd(preset, data_dir, d, steps, {**(overrides or {}), "seed": 42 + i}),
-                                              env=env, stdout=subprocess.DEVNULL, stderr=err)))
-    codes = [p.wait() for _, p in procs]
+def run_wave(n: int, preset: str, data_dir, out, steps: int, overrides: dict | None = None, cpu: bool = True) -> dict:
+    "Start `n` training processes at once (`run_pool`; on CPU one thread each); wall seconds until the last ends, and their median step time."
+    dirs = [Path(out) / f"jobs{n}-{i}" for i in range(n)]
+    jobs = [Job(d.name, _train_cmd(preset, data_dir, d, steps, {**(overrides or {}), "seed": 42 + i}), Path(out) / f"{d.name}.log")
+            for i, d in enumerate(dirs)]
+    t0 = time.perf_counter()
+    codes = run_pool(jobs, n, job_env(cpu), desc=f"wave of {n}", prefix="[altgrad-bench]", poll=0.05, stream=sys.stderr)
     wall = time.perf_counter() - t0
-    if bad := [str(d) for (d, _), c in zip(procs, codes) if c]:
-        raise RuntimeError(f"run_wave: {len(bad)} of {n} runs failed; see stderr.log in {', '.join(bad)}")
-    st = [json.loads((d / "summary.json").read_text())["step_time"] for d, _ in procs]
+    if bad := [str(j.log) for j in jobs if codes.get(j.id) != 0]:
+        raise RuntimeError(f"run_wave: {len(bad)} of {n} runs failed; see {', '.join(bad)}")
+    st = [json.loads((d / "summary.json").read_text())["step_time"] for d in dirs]
     return dict(jobs=n, wall_s=round(wall, 2), step_time=round(statistics.median(st), 5),
                 steps_per_s=round(n * steps / wall, 3))
 
@@ -175,10 +173,11 @@ def bench_jobs(preset: str = "gpu", jobs=(1, 2, 4, 8), steps: int = 200, data_di
                knee_share: float = 0.9, **overrides) -> dict:
     "Runs per hour against concurrent runs per device (`run_wave` for each count in `jobs`); the knee is `--jobs`' default."
     from altgrad.config import load_config
-    full = load_config(preset, **overrides).max_steps
+    cfg = load_config(preset, **overrides)
+    full, cpu = cfg.max_steps, runs_on_cpu(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = str(data_dir) if data_dir else _bench_data(tmp)
-        curve = [run_wave(n, preset, data_dir, Path(tmp) / "runs", steps, overrides) for n in jobs]
+        curve = [run_wave(n, preset, data_dir, Path(tmp) / "runs", steps, overrides, cpu) for n in jobs]
         device = json.loads(next((Path(tmp) / "runs").glob("*/summary.json")).read_text())["device"]
     for w in curve:
         w["fixed_s"] = round(max(w["wall_s"] - steps * w["step_time"], 0.0), 2)           # start-up, evals, checkpoints, exit

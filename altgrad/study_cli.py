@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse, json, sys, time
 from pathlib import Path
 from .config import ConfigError, parse_overrides, load_config
-from .runs import final_loss
+from .runs import final_loss, read_summary
 from .trainer import Interrupted
-from .sweep import (check_run, ensure_data, resolve_preset, FINISHED, Job, JobsInterrupted, run_pool, job_env, runs_on_cpu,
-                           one_thread, portable)
+from .sweep import check_run, ensure_data, resolve_preset, FINISHED, portable
+from .pool import Job, JobsInterrupted, run_pool, job_env, runs_on_cpu, one_thread
 from .study import (DISTINCT_FORMATS, STUDY_RULES, StudyPlan, Protocol, make_plan, parse_shard, shard_specs, lr_specs,
                            seed_specs, run_dir, spec_config, execute, collect_runs, resolve_choice, write_lr_choice, write_inputs,
                            join_names, load_lr_choice, make_protocol, decisive_plan, tuning_specs, bracket_grids, decisive_lr_specs,
@@ -176,9 +176,7 @@ def finished_runs(out, seen: set | None = None) -> int:
     seen = set() if seen is None else seen
     for p in (Path(out) / "runs").glob("*/summary.json"):
         if p.parent.name in seen: continue
-        try:
-            if json.loads(p.read_text()).get("stopped_reason") in FINISHED: seen.add(p.parent.name)
-        except (OSError, ValueError): pass
+        if (read_summary(p.parent) or {}).get("stopped_reason") in FINISHED: seen.add(p.parent.name)
     return len(seen)
 
 def shard_commands(argv, n: int) -> list[list[str]]:

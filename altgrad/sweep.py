@@ -4,8 +4,7 @@
 
 # %% ../nbs/31_sweep.ipynb #9d0ef880
 from __future__ import annotations
-import argparse, contextlib, hashlib, json, os, re, shutil, signal, subprocess, sys, threading, time
-from dataclasses import dataclass, field
+import argparse, contextlib, hashlib, json, re, shutil, signal, sys, time
 from pathlib import Path
 import numpy as np
 import yaml
@@ -15,6 +14,7 @@ from .formats import get_format, grid_equivalent, equivalent_formats
 from .regimes import UPDATE_RULES, get_rule
 from .runs import Run, load_run, read_summary, REUSED_FILE
 from .report import run_summary, write_summary, short_layer, model_layers, nan_origin
+from .pool import JobsInterrupted, Job, run_pool, job_env, runs_on_cpu, one_thread
 
 # %% auto #0
 __all__ = ['SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'IGNORED_KEYS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'FINISHED', 'WRITEUP_FILES',
@@ -24,9 +24,8 @@ __all__ = ['SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'IGNORED_KEYS', 'NOT_IN_REFERE
            'format_config', 'grid_key', 'set_aside', 'reuse_note', 'mark_reused', 'RetryRefused', 'hot_layers',
            'retry_layout', 'find_notebook', 'portable', 'notebook_params', 'run_notebook', 'check_overrides',
            'settings_note', 'sweep_setup', 'refuse_conflicts', 'run_sweep', 'conflict_message', 'grid_rules',
-           'update_rule_overrides', 'matrix_note', 'sweep_cli', 'JobsInterrupted', 'job_env', 'runs_on_cpu',
-           'one_thread', 'Job', 'run_pool', 'train_format', 'pool_plan', 'retry_specs', 'sweep_job', 'sweep_on_cpu',
-           'train_concurrently']
+           'update_rule_overrides', 'matrix_note', 'sweep_cli', 'train_format', 'pool_plan', 'retry_specs', 'sweep_job',
+           'sweep_on_cpu', 'train_concurrently']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
 SEED_ORDER = ["E5M2", "E3M4", "E1M6", "E7M0", "E0M7", "E4M3"]
@@ -584,105 +583,6 @@ def sweep_cli(argv: list[str] | None = None) -> int:
         from altgrad.matrix import write_matrix
         print(write_matrix(a.out, note=matrix_note(a.preset, a.steps, a.seed, overrides, fmts)))
     return 0
-
-# %% ../nbs/31_sweep.ipynb #607444eb
-class JobsInterrupted(KeyboardInterrupt):
-    "A pool of run processes stopped by SIGINT/SIGTERM (each got SIGTERM: a trainer checkpoints and exits); `exit_code` 130 / 143."
-    def __init__(self, signum: int):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}"); self.signum = int(signum)
-    @property
-    def exit_code(self) -> int: return 128 + self.signum
-
-def job_env(cpu: bool, env: dict | None = None) -> dict:
-    "The environment of one run process: on CPU one thread (`OMP_NUM_THREADS=1`, `MKL_NUM_THREADS=1`), so N processes share N cores."
-    e = dict(os.environ if env is None else env)
-    if cpu: e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    e["PYTHONUNBUFFERED"] = "1"                     # the log shows what the process did until it stopped
-    return e
-
-def runs_on_cpu(cfg) -> bool:
-    "Does `cfg` (a `TrainConfig`) train on the CPU (`device` cpu, or auto without CUDA)?"
-    from altgrad.config import resolve_device
-    return resolve_device(cfg) == "cpu"
-
-def one_thread() -> None:
-    "This process and those it starts compute with one thread (what each `--jobs` process does on CPU)."
-    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"); torch.set_num_threads(1)
-
-@dataclass
-class Job:
-    "One process of `run_pool`: argv `cmd`, stdout and stderr to `log`; it starts once every job in `after` exited 0 (lower `rank` first)."
-    id: str
-    cmd: list
-    log: Path
-    label: str = ""
-    after: tuple = ()
-    rank: int = 0
-    info: dict = field(default_factory=dict)
-
-def run_pool(jobs, n: int, env: dict | None = None, on_done=None, count=None, desc: str = "runs", prefix: str = "[altgrad]",
-             poll: float = 0.2) -> dict:
-    """Run `jobs` (`Job`s), at most `n` at a time, each in its own process and session; returns `{id: exit code}` of the
-    jobs that ran (one whose `after` failed never starts: a line says so). A line per job that ends; a failure's names its log.
-    `on_done(job, rc)` may return more jobs to run. The progress bar counts ended jobs, or follows `count()` -> (done, total).
-    SIGINT/SIGTERM/SIGHUP here: every running job's session gets SIGTERM (a third signal: SIGKILL), none starts any more, and once they
-    have all exited `JobsInterrupted` is raised."""
-    from tqdm.auto import tqdm
-    pending, running, rcs, sigs, told = list(jobs), {}, {}, [], set()
-    name = {j.id: j.label or j.id for j in pending}
-    say = lambda m: tqdm.write(m, file=sys.stdout)
-    def tell(p, sig=signal.SIGTERM):
-        told.add(p.pid)
-        with contextlib.suppress(ProcessLookupError): os.killpg(p.pid, sig)   # its whole session: papermill and what it started
-    def forward(signum, frame):
-        sigs.append(signum)
-        for p, *_ in list(running.values()): tell(p, signal.SIGKILL if len(sigs) >= 3 else signal.SIGTERM)
-    main = threading.current_thread() is threading.main_thread()
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if main else {}
-    bar = tqdm(total=len(pending) if count is None else count()[1], unit="run" if count else "job", desc=desc, file=sys.stderr,
-               dynamic_ncols=True)
-    try:
-        while pending or running:
-            for j in [j for j in pending if not sigs and any(rcs.get(a, 0) != 0 for a in j.after)]:      # a job it needs failed
-                pending.remove(j); say(f"{prefix} {j.label or j.id}: not started ({', '.join(name.get(a, a) for a in j.after if rcs.get(a, 0))} failed)")
-            while not sigs and len(running) < n:
-                ready = [j for j in pending if all(rcs.get(a) == 0 for a in j.after)]
-                if not ready: break
-                j = min(ready, key=lambda j: j.rank); pending.remove(j)
-                Path(j.log).parent.mkdir(parents=True, exist_ok=True)
-                f = open(j.log, "w")
-                running[j.id] = (subprocess.Popen([str(c) for c in j.cmd], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                  env=env, start_new_session=True), j, time.time(), f)
-            if not running and (sigs or pending):
-                if sigs: raise JobsInterrupted(sigs[0])
-                for j in pending: say(f"{prefix} {j.label or j.id}: not started (it waits for jobs that never ran: {', '.join(name.get(a, a) for a in j.after)})")
-                break
-            for p, *_ in list(running.values()):
-                if sigs and p.pid not in told: tell(p)         # started as the signal came
-            time.sleep(poll)
-            for k, (p, j, t0, f) in list(running.items()):
-                rc = p.poll()
-                if rc is None: continue
-                f.close(); del running[k]; rcs[j.id] = rc
-                if sigs: continue
-                say(f"{prefix} {j.label or j.id}: " + (f"done ({time.time() - t0:.0f} s)" if rc == 0 else
-                    f"failed (exit {rc}, {time.time() - t0:.0f} s); its log: {portable(j.log)}"))
-                more = list(on_done(j, rc) or []) if on_done else []
-                pending += more; name.update((m.id, m.label or m.id) for m in more)
-                if count is None: bar.total += len(more); bar.update(1)
-            if count is not None:
-                d, t = count()
-                if (d, max(t, d)) != (bar.n, bar.total): bar.total = max(t, d); bar.n = d; bar.refresh()
-        if sigs: raise JobsInterrupted(sigs[0])
-    finally:
-        for p, *_ in running.values(): tell(p)          # an error here: stop the processes (each saves a checkpoint)
-        for p, j, t0, f in running.values():
-            try: p.wait(timeout=120)
-            except subprocess.TimeoutExpired: p.kill(); p.wait()
-            f.close()
-        for s, h in old.items(): signal.signal(s, h)
-        bar.close()
-    return rcs
 
 # %% ../nbs/31_sweep.ipynb #e4ea7c83
 def train_format(fmt: str, out, layer_formats=None, tag: str = "", force: bool = False, overrides: dict | None = None, **common) -> str:

@@ -694,7 +694,7 @@ def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, 
 
     The goal `TRAIN_TARGET` is the 8-bit step over the plain one. `profile` > 0 adds `layer_time_share` of the 8-bit
     trainer over that many further steps (the profile that explains the ratio)."""
-    from altgrad.bench import interleave_steps
+    from altgrad.bench import interleave_steps, _env
     with tempfile.TemporaryDirectory() as tmp:
         if data_dir is None:
             from altgrad.data import prepare_eurlex, shared_data_dir
@@ -715,6 +715,6 @@ def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, 
     ratio = {k: v / med["plain"] for k, v in med.items()}
     util = _utilisation(flops, med, device, next(iter(trainers.values())).amp_dtype)
     goal = dict(targets={fmt: TRAIN_TARGET}, met=ratio[fmt] <= TRAIN_TARGET) if fmt else {}
-    return dict(preset=preset, fmt=fmt, steps=steps, device=device, threads=torch.get_num_threads(), torch=torch.__version__,
+    return dict(preset=preset, fmt=fmt, steps=steps, **_env(device),
                 tokens_per_step=tps, step_time=med, tokens_per_sec={k: tps / v for k, v in med.items()}, ratio=ratio, **goal, **util,
                 **({"profile": prof} if prof else {}))

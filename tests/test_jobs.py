@@ -78,7 +78,7 @@ def test_study_jobs(tmp_path, small_data):
 def test_pool_forwards_interrupt(tmp_path):
     """Ctrl-C to the parent of a pool: each running process gets SIGTERM (and ends as a trainer does, at a checkpoint), none
     starts any more, and `JobsInterrupted` carries the shell's exit code."""
-    from altgrad.sweep import Job, JobsInterrupted, run_pool
+    from altgrad.pool import Job, JobsInterrupted, run_pool
     child = ("import pathlib, signal, sys, time; p = pathlib.Path(sys.argv[1]); "
              "signal.signal(signal.SIGTERM, lambda *a: (p.write_text('SIGTERM'), sys.exit(143))); p.write_text('started'); time.sleep(60)")
     jobs = [Job(n, [sys.executable, "-c", child, tmp_path / n], tmp_path / f"{n}.log") for n in ("a", "b", "c")]
