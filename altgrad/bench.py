@@ -63,7 +63,7 @@ def bench_quantize(numel: int = 16 * 2**20, formats=None, roundings=("nearest", 
     targets = {"nearest": 1.0, "stochastic": 1.5}
     worst = {r: max(ratios[f"{n}/{r}"] for n in formats) for r in roundings}
     return dict(benchmark="quantize", numel=numel, **_env(device), repeats=repeats,
-                native_e5m2_seconds=round(base, 5), compile_seconds=compile_s, ratio_to_native_e5m2=ratios,
+                native_e5m2_seconds=float(f"{base:.4g}"), compile_seconds=compile_s, ratio_to_native_e5m2=ratios,
                 bytes_per_element=BYTES_PER_ELEMENT, gb_per_s={k: round(moved / v / 1e9, 1) for k, v in t.items()},
                 share_of_clone_bandwidth={k: round(t["clone"] / v, 3) for k, v in t.items()},
                 worst=worst, targets={r: targets[r] for r in roundings},
@@ -247,3 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.strict and missed:
         print(f"[altgrad] altgrad-bench --strict: goal not met ({', '.join(missed)})", file=sys.stderr); return 1
     return 0
+
+# %% ../nbs/27_bench.ipynb #baed1ee5
+#| eval: false
+if __name__ == "__main__": sys.exit(main())   # `python -m altgrad.bench` (where the console script is not installed)

@@ -50,16 +50,18 @@ class Job:
     info: dict = field(default_factory=dict)
 
 def run_pool(jobs, n: int, env: dict | None = None, on_done=None, count=None, desc: str = "runs", prefix: str = "[altgrad]",
-             poll: float = 0.2, stream=None) -> dict:
+             poll: float = 0.2, stream=None, until: float | None = None) -> dict:
     """Run `jobs` (`Job`s), at most `n` at a time, each in its own process and session; returns `{id: exit code}` of the
     jobs that ran (one whose `after` failed never starts: a line says so). A line per job that ends; a failure's names its log.
     `on_done(job, rc)` may return more jobs to run. The progress bar counts ended jobs, or follows `count()` -> (done, total).
     SIGINT/SIGTERM/SIGHUP here: every running job's session gets SIGTERM (a third signal: SIGKILL), none starts any more, and once they
-    have all exited `JobsInterrupted` is raised. The lines go to `stream` (default stdout; a benchmark that prints JSON passes stderr)."""
+    have all exited `JobsInterrupted` is raised. The lines go to `stream` (default stdout; a benchmark that prints JSON passes stderr). `until` (a `time.time()`):
+    no job starts after it; those left get a line each and are not in the result."""
     from tqdm.auto import tqdm
     pending, running, rcs, sigs, told = list(jobs), {}, {}, [], set()
     name = {j.id: j.label or j.id for j in pending}
     say = lambda m: tqdm.write(m, file=stream or sys.stdout)
+    late = lambda: until is not None and time.time() >= until
     def tell(p, sig=signal.SIGTERM):
         told.add(p.pid)
         with contextlib.suppress(ProcessLookupError): os.killpg(p.pid, sig)   # its whole session: papermill and what it started
@@ -74,7 +76,7 @@ def run_pool(jobs, n: int, env: dict | None = None, on_done=None, count=None, de
         while pending or running:
             for j in [j for j in pending if not sigs and any(rcs.get(a, 0) != 0 for a in j.after)]:      # a job it needs failed
                 pending.remove(j); say(f"{prefix} {j.label or j.id}: not started ({', '.join(name.get(a, a) for a in j.after if rcs.get(a, 0))} failed)")
-            while not sigs and len(running) < n:
+            while not sigs and not late() and len(running) < n:
                 ready = [j for j in pending if all(rcs.get(a) == 0 for a in j.after)]
                 if not ready: break
                 j = min(ready, key=lambda j: j.rank); pending.remove(j)
@@ -84,7 +86,8 @@ def run_pool(jobs, n: int, env: dict | None = None, on_done=None, count=None, de
                                                   env=env, start_new_session=True), j, time.time(), f)
             if not running and (sigs or pending):
                 if sigs: raise JobsInterrupted(sigs[0])
-                for j in pending: say(f"{prefix} {j.label or j.id}: not started (it waits for jobs that never ran: {', '.join(name.get(a, a) for a in j.after)})")
+                for j in pending: say(f"{prefix} {j.label or j.id}: not started (" + ("the time to start jobs is over" if late() else
+                                      f"it waits for jobs that never ran: {', '.join(name.get(a, a) for a in j.after)}") + ")")
                 break
             for p, *_ in list(running.values()):
                 if sigs and p.pid not in told: tell(p)         # started as the signal came

@@ -6,7 +6,7 @@ the device under test, and compares:
 1. `formats.quantize` for every registered format (+ E4M3_NAN, + saturating E5M2), nearest and stochastic (same CPU
    generator seed), compiled and eager, at scales 1, 3.7 and 2^-60 (fp32 subnormals), on `adversarial_inputs` plus
    NaN/inf/±0/subnormals: bit for bit (`view(torch.int32)`, so -0 counts); NaN positions must agree, NaN payloads and
-   signs are checked in their own non-strict xfail test (CUDA arithmetic may return its canonical NaN 0x7FFFFFFF).
+   signs are checked in their own xfail test, strict on CUDA (CUDA arithmetic may return its canonical NaN 0x7FFFFFFF).
    `test_compiled_kernels_build` fails alone if torch.compile rejects `formats.KERNEL_OPTIONS` on the device; the
    other tests then compare the eager kernels only (and say so in the report).
 2. Scaling: `amax_of`/`compute_scale`/`quantize_scaled` and `TensorQuantizer` (current and delayed scaling; tensor,
@@ -14,7 +14,7 @@ the device under test, and compares:
    histories and range counts bit for bit (device compiled, i.e. the fused operand kernel, and device eager).
 3. `QuantizedLinear` forward and backward in FP32 (TF32 off): quantized operands W, A, G bit for bit; output and
    gradients within rel. error ||d - ref|| / ||ref|| < 1e-5 (cuBLAS sums in another order). Under bf16 autocast:
-   finite, W and A operands bit for bit, output rel. error < 4e-3 (bf16 rounding 2^-9), gradients < 5e-2.
+   finite, W and A operands bit for bit, output rel. error < 4e-3 (bf16 rounding 2^-8), gradients < 5e-2.
 4. Every landing rule of `grid.LANDINGS` (+ `regrid_scale`, `store_residual`): new weights and residuals bit for bit
    over several steps.
 5. `resolve_device`/`autocast_dtype` of device='auto', precision='auto': 'cuda' and bfloat16.
@@ -180,9 +180,9 @@ def test_quantize_bits(fmt, compile_error):
     report(f"quantize_bits[{fmt.name}-{fmt.overflow}]", **figs)
 
 
-@pytest.mark.xfail(strict=False, reason="CUDA float arithmetic may return the canonical NaN 0x7FFFFFFF: payload and sign lost")
+@pytest.mark.xfail(strict=DEV.startswith("cuda"), reason="CUDA float arithmetic may return the canonical NaN 0x7FFFFFFF: payload and sign lost")
 def test_quantize_nan_payloads(compile_error):
-    "NaN payloads and NaN signs too (informative: an XFAIL here says the device canonicalizes NaNs)."
+    "NaN payloads and NaN signs too (an XFAIL says the device canonicalizes NaNs; on CUDA an XPASS fails: the xfail is then stale)."
     x = specials()
     figs = {}
     for fmt in FORMATS:
@@ -266,8 +266,11 @@ def test_tensor_quantizer(scaling, granularity, compile_error):
             for mode, dut in duts.items():
                 same_bits(f"counts {fmt.name} {mode}", dut.counts, ref.counts)
                 if ref.history is not None: same_bits(f"history {fmt.name} {mode}", dut.history.history, ref.history.history)
-    if granularity == "tensor" and compile_error is None:
-        assert Q._operand_compiled != [None], "the fused operand kernel failed to compile (the eager path was compared)"
+    if granularity == "tensor" and compile_error is None:          # the "always" mode must have used the fused kernel
+        from altgrad import formats
+        assert Q._operand_compiled and Q._operand_compiled[0] is not None, \
+            f"the fused operand kernel was not built or failed to compile ({Q._operand_compiled}): the eager path was compared"
+        assert not formats._compile_broken, formats._compile_broken
     report(f"tensor_quantizer[{scaling}-{granularity}]", **figs)
 
 
@@ -329,7 +332,7 @@ def test_quantized_linear_bf16_autocast():
         for role in ("w", "a"): same_bits(f"{role} operand step {step}", getattr(dut, "q" + role).last, getattr(ref, "q" + role).last)
         gdiff = (dut.qg.last.cpu() != ref.qg.last).float().mean().item()   # G sees the bf16-rounded gradient
         figs["g_operand_differ_frac"] = max(figs.get("g_operand_differ_frac", 0.0), gdiff)
-        rel_err("y", d[0], r[0], 4e-3, figs)                    # one bf16 rounding of the fp32 result: <= 2^-9 per element
+        rel_err("y", d[0], r[0], 4e-3, figs)                    # one bf16 rounding of the fp32 result: <= 2^-8 per element
         for name, a, b in zip(("dx", "dW", "db"), d[1:], r[1:]): rel_err(name, a, b, 5e-2, figs)   # bf16 grad_output, re-quantized
     report("quantized_linear_bf16_autocast", **figs)
 

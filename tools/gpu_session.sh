@@ -8,11 +8,11 @@ set -u
 SITE=$(mktemp -d)   # the carried wheels are installed here
 export PYTHONUNBUFFERED=1
 BUDGET=${BUDGET:-570}; T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-cap() { local l=$(( BUDGET - $(el) - 25 )); [ $l -lt $1 ] && echo $l || echo $1; }   # a stage's timeout: its cap, or the time left
+cap() { local l=$(( BUDGET - $(el) - 25 )); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }   # a stage's timeout: its cap, or the time left (>= 1: `timeout 0` never stops)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 3
 export PYTHONPATH=$SITE:$PWD TIKTOKEN_CACHE_DIR=$PWD/.gpu/tiktoken_cache WANDB_MODE=disabled
 D=outputs/gpu/_data/eurlex; R=$(mktemp -d); mkdir -p $R      # $OUT returns at most 8 files: R is tarred into it
-BENCH=(python3 -c "import sys; from altgrad.bench import main; sys.exit(main(sys.argv[1:]))")   # an array: `timeout` runs no shell function
+BENCH=(python3 -m altgrad.bench)   # an array: `timeout` runs no shell function
 { nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; nproc; free -g; } > $R/env.txt 2>&1
 echo "[$(el) s] gpu tests"
 ALTGRAD_GPU_DATA=$D ALTGRAD_GPU_REPORT=$R/gpu_tests.jsonl timeout $(cap 150) python3 -m pytest tests/test_gpu.py -m gpu -q -rs -p no:cacheprovider > $R/gpu_tests.log 2>&1
@@ -24,13 +24,14 @@ timeout $(cap 90) "${BENCH[@]}" train --preset gpu --fmt E5M2 --steps 12 --warmu
 echo "[$(el) s] bench rules"
 timeout $(cap 60) "${BENCH[@]}" train --preset gpu --fmt E5M2 --rules nearest,stochastic,kahan --steps 12 --warmup 3 --data-dir $D > $R/bench_rules.json 2> $R/bench_rules.err; echo "rc=$?"
 echo "[$(el) s] bench jobs"
-timeout $(cap 150) "${BENCH[@]}" jobs --preset gpu --jobs 1,2,4,8 --steps 100 --data-dir $D > $R/bench_jobs.json 2> $R/bench_jobs.err; echo "rc=$?"
+timeout $(cap 150) "${BENCH[@]}" jobs --preset gpu --set fmt=E5M2 --set shadow=true --jobs 1,2,4,8 --steps 100 --data-dir $D > $R/bench_jobs.json 2> $R/bench_jobs.err; echo "rc=$?"
 K=$(python3 -c "import json; print(json.load(open('$R/bench_jobs.json'))['knee'])" 2>/dev/null || echo 8); [ "$K" -lt 6 ] && K=6   # at least the reference and the five FP32-master formats at once: the lease is short (this overrides a lower knee)
-LEFT=$(( BUDGET - $(el) - 45 )); [ $LEFT -lt 150 ] && LEFT=0
+LEFT=$(( BUDGET - $(el) - 75 )); [ $LEFT -lt 150 ] && LEFT=0   # the deadline leaves grace, compaction and the tars their time
 echo "[$(el) s] experiment: jobs $K, deadline $LEFT s"
-[ $LEFT -gt 0 ] && python3 tools/gpu_experiment.py --out outputs/gpu --data-dir $D --preset gpu --jobs $K --deadline $LEFT > $R/experiment.log 2>&1; echo "rc=$?"
+tar -cf $OUT/res.tar -C $R .   # what is measured so far comes back even if the experiment overruns the lease
+[ $LEFT -gt 0 ] && timeout -k 10 $(( LEFT + 50 )) python3 tools/gpu_experiment.py --out outputs/gpu --data-dir $D --preset gpu --jobs $K --deadline $LEFT --grace 30 > $R/experiment.log 2>&1; echo "rc=$?"
 grep -h '"state"' outputs/gpu/experiment.json | sort | uniq -c
-cp outputs/gpu/*.log $R/ 2>/dev/null
+cp outputs/gpu/.jobs/*.log $R/ 2>/dev/null
 tar -cf $OUT/res.tar -C $R .
 tar -czf - --exclude=_data --exclude=checkpoints --exclude='*.log' --exclude=metrics.jsonl --exclude=wandb outputs/gpu | split -b 15m - $OUT/gpu_runs.tgz.   # pieces of <= 15 MiB
 ls -la $OUT; echo "[$(el) s] done"
