@@ -881,8 +881,8 @@ def law_clause(st: dict, r: str) -> str:
     "Why, in one clause: the law of rule `r`'s benefit (R², LOFO, one curve or not)."
     L = st["law"].get(r) or {}
     if L.get("r2") is None: return "the law could not be fitted"
-    return (f"across all {L['n']} format × rate points its benefit against nearest's predicted stall follows one increasing curve "
-            f"with R² = {L['r2']:.2f} in sample and {fmt_num(L.get('r2_lofo'), '.2f')} out of sample (each format predicted from the "
+    return (f"one increasing curve fitted through all {L['n']} format × rate points of its benefit against nearest's predicted stall "
+            f"has R² = {L['r2']:.2f} in sample and {fmt_num(L.get('r2_lofo'), '.2f')} out of sample (each format predicted from the "
             f"others; RMSE {L['lofo_rmse']:.3f} nats): "
             + ("the stall mechanism explains it" if L["one_curve"] else "the points do not fall on one curve, so the stall alone does not explain it"))
 
@@ -916,7 +916,8 @@ def decisive_paragraph(st: dict) -> str:
                  f"for a claim that survives Holm over the {mde.get('m')} cells (α = {st['mde']['alpha']}/{mde.get('m')}); between two formats "
                  f"{fmt_num(fm.get('mde'), '.3f')} and {fmt_num(fm.get('mde_family'), '.3f')} nats (Holm over {fm.get('m')} pairs).")
     unb = [q for q, g in st["lr_choice"]["grids"].items() if g["status"] == "unbracketed"]
-    S.append("Every regime's learning rate is bracketed (its best multiplier is interior)." if not unb else
+    S.append("Every regime's learning rate is bracketed (its best multiplier, by the mean over all formats, is interior; one "
+             "multiplier serves every format of a regime, and a single format's own best may lie at an edge)." if not unb else
              (f"The learning rate of {unb[0]} is unbracketed: its best multiplier is" if len(unb) == 1 else
               f"The learning rates of {', '.join(unb[:-1])} and {unb[-1]} are unbracketed: their best multipliers are")
              + f" still at an edge after {st['protocol']['max_extensions']} extensions, so the optimum may lie beyond the grid.")
@@ -964,7 +965,7 @@ def law_section(st: dict) -> list[str]:
         L.append(f"| {name(r)} against median r (decreasing) | {x['n']} | {fmt_num(x['r2'], '.2f')} | {fmt_num(x['lofo_rmse'], '.4f')} | "
                  f"{fmt_num(x['lofo_rel'], '.2f')} | {'—' if x['one_curve'] is None else 'yes' if x['one_curve'] else 'no'} |")
     L += [""] + [law_text(name(r), x) for r, x in st["law"].items()]
-    L += ["", "Across the formats (held-out seeds, each format at its tuned rate): Spearman ρ between nearest's predicted stall and "
+    L += ["", "Across the formats (held-out seeds, each format at its regime's chosen multiplier, one per regime): Spearman ρ between nearest's predicted stall and "
           "the benefit, with the exact permutation p.", "", "| quantity | ρ | n | p |", "|---|---|---|---|"]
     L += [f"| {name(r)} | {fmt_num(c.get('rho'), '.2f')} | {c.get('n')} | {fmt_num(c.get('p'), '.2g')} |" for r, c in st["correlation"].items()]
     return L

@@ -104,8 +104,10 @@ def law_text(name: str, L: dict, xname: str = "nearest's predicted stall") -> st
            "not what the stagnation account of Xia et al. (arXiv 2202.12276) predicts if stagnation were the whole story")
     if h is None: return s + f"The fitted curve is flat, {xia.replace('consistent with', 'which gives no support to')}."
     sharp = h["width"] < 0.25
-    return s + (f"This is {xia}. The fitted curve makes half its rise ({h['rise']:.3f} nats) at x = {h['x_half']:.3g} and goes from "
-                f"10% to 90% of it over {h['width']:.0%} of the observed range: "
+    return s + (f"This is {xia}. The fitted curve rises by {h['rise']:.3f} nats in all, half of it by x = {h['x_half']:.3g}, and goes from "
+                f"10% to 90% of its rise over {h['width']:.0%} of the observed range: "
                 + ("a sharp threshold, the shape the criterion of arXiv 2505.19115 (gradient norm below √3 × quantization noise) predicts."
                    if sharp else "a gradual rise rather than the sharp threshold that the criterion of arXiv 2505.19115 "
-                   "(gradient norm below √3 × quantization noise) would produce."))
+                   "(gradient norm below √3 × quantization noise) would produce.")
+                + " An isotonic fit is a step function that can pass through the extreme points exactly, so its shape is weak evidence "
+                "either way.")
