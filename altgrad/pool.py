@@ -14,9 +14,10 @@ __all__ = ['JobsInterrupted', 'job_env', 'runs_on_cpu', 'one_thread', 'Job', 'ru
 
 # %% ../nbs/19_pool.ipynb #60e9dd99
 class JobsInterrupted(KeyboardInterrupt):
-    "A pool of run processes stopped by SIGINT/SIGTERM (each got SIGTERM: a trainer checkpoints and exits); `exit_code` 130 / 143."
-    def __init__(self, signum: int):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}"); self.signum = int(signum)
+    """A pool of run processes stopped by SIGINT/SIGTERM (each got SIGTERM: a trainer checkpoints and exits); `exit_code` 130 / 143;
+    `rcs`: `{id: exit code}` of every job that ran, as `run_pool` would have returned it."""
+    def __init__(self, signum: int, rcs: dict | None = None):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}"); self.signum, self.rcs = int(signum), dict(rcs or {})
     @property
     def exit_code(self) -> int: return 128 + self.signum
 
@@ -85,7 +86,7 @@ def run_pool(jobs, n: int, env: dict | None = None, on_done=None, count=None, de
                 running[j.id] = (subprocess.Popen([str(c) for c in j.cmd], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                   env=env, start_new_session=True), j, time.time(), f)
             if not running and (sigs or pending):
-                if sigs: raise JobsInterrupted(sigs[0])
+                if sigs: raise JobsInterrupted(sigs[0], rcs)
                 for j in pending: say(f"{prefix} {j.label or j.id}: not started (" + ("the time to start jobs is over" if late() else
                                       f"it waits for jobs that never ran: {', '.join(name.get(a, a) for a in j.after)}") + ")")
                 break
@@ -105,7 +106,7 @@ def run_pool(jobs, n: int, env: dict | None = None, on_done=None, count=None, de
             if count is not None:
                 d, t = count()
                 if (d, max(t, d)) != (bar.n, bar.total): bar.total = max(t, d); bar.n = d; bar.refresh()
-        if sigs: raise JobsInterrupted(sigs[0])
+        if sigs: raise JobsInterrupted(sigs[0], rcs)
     finally:
         for p, *_ in running.values(): tell(p)          # an error here: stop the processes (each saves a checkpoint)
         for p, j, t0, f in running.values():

@@ -92,5 +92,6 @@ def test_pool_forwards_interrupt(tmp_path):
     before = signal.getsignal(signal.SIGINT)          # SIG_IGN when the suite runs in the background (`cmd &`)
     with pytest.raises(JobsInterrupted) as e: run_pool(jobs, 2, poll=0.05)
     assert e.value.exit_code == 130 and time.time() - t0 < 30
+    assert e.value.rcs == {"a": 143, "b": 143}, e.value.rcs          # the stopped jobs' exit codes; "c" never ran
     assert [(tmp_path / n).read_text() for n in ("a", "b")] == ["SIGTERM", "SIGTERM"] and not (tmp_path / "c").exists()
     assert signal.getsignal(signal.SIGINT) is before      # the handlers are restored

@@ -27,9 +27,8 @@ def test_plan():
     names = [r[0] for r in m.experiment("smoke")]
     assert names == ["reference", "E5M2", "E3M4", "E1M6", "E7M0", "E4M3", "E7M0-nearest", "E7M0-stochastic", "E7M0-kahan",
                      "E5M2-nearest", "E5M2-stochastic", "E5M2-kahan"], names
-    assert [m.state_of(rc, True) for rc in (0, 143, 1, None)] == ["finished", "stopped at the deadline", "failed (exit 1)",
-                                                                  "stopped at the deadline"]
-    assert m.state_of(None, False) == "not started (deadline)"
+    assert [m.state_of(rc) for rc in (0, 143, 130, -15, 1, None)] == ["finished", "stopped at the deadline", "stopped at the deadline",
+                                                                      "stopped at the deadline", "failed (exit 1)", "not started (deadline)"]
 
 
 def test_runs_finish(tmp_path, small_data):

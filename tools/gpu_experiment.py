@@ -63,10 +63,10 @@ def stop_at(deadline: float, grace: float) -> list:
     return ts
 
 
-def state_of(rc, started: bool) -> str:
-    "A run's state from its exit code (None: none recorded, as for every run the deadline stopped) and whether it started."
-    if rc is None: return "stopped at the deadline" if started else "not started (deadline)"
-    return {0: "finished", 130: "stopped at the deadline", 143: "stopped at the deadline"}.get(rc, f"failed (exit {rc})")
+def state_of(rc) -> str:
+    "A run's state from its exit code (None: it never started; 130/143, or killed by a signal: the deadline stopped it)."
+    if rc is None: return "not started (deadline)"
+    return "finished" if rc == 0 else "stopped at the deadline" if rc in (130, 143) or rc < 0 else f"failed (exit {rc})"
 
 
 def main(argv=None) -> int:
@@ -80,20 +80,20 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     out, t0 = Path(a.out), time.time()
     out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out / ".jobs", ignore_errors=True)                    # an earlier call's logs: a log marks a run started
     runs = [r for r in experiment(a.preset) if not a.only or r[0] in a.only.split(",")]
     jobs = [job(out, a.data_dir, a.preset, r) for r in runs]
-    timers, rcs = stop_at(a.deadline, a.grace), {}
+    timers = stop_at(a.deadline, a.grace)
     try: rcs = run_pool(jobs, a.jobs, job_env(False, {**os.environ, "WANDB_MODE": "disabled"}), prefix="[gpu]",
-                        until=t0 + a.deadline - a.no_start, on_done=lambda j, rc: rcs.__setitem__(j.id, rc))
-    except JobsInterrupted: print(f"[gpu] deadline at {time.time() - t0:.0f} s: the running runs were stopped", flush=True)
+                        until=t0 + a.deadline - a.no_start)
+    except JobsInterrupted as e:
+        rcs = e.rcs; print(f"[gpu] deadline at {time.time() - t0:.0f} s: the running runs were stopped", flush=True)
     for t in timers: t.cancel()
     state = {}
     for name, *_ in runs:
         d = run_dir(out, a.preset, name)
         s = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
         done = s.get("stopped_reason") not in (None, "interrupted")     # max_steps, or the NaN stop of the seeds' failure study
-        st = state_of(rcs.get(name), (out / ".jobs" / f"{name}.log").exists())     # the pool opens a run's log as it starts it
+        st = state_of(rcs.get(name))
         if st == "finished" and not done: st = "exited without finishing"
         state[name] = dict(state=st, **{k: s.get(k) for k in ("final_step", "max_steps", "stopped_reason", "final_val_loss", "step_time",
                                                                "tokens_per_sec", "device", "gpu", "torch", "cuda")})
