@@ -92,6 +92,8 @@ class TrainConfig:
     wandb_tags: list = field(default_factory=list)
     wandb_mode: str = "auto"
     seed: int = 42
+    data_seed: int | None = None
+    init_from: str | None = None
     device: str = "auto"
     compile: bool = False
 
@@ -142,7 +144,7 @@ _RANGES = {
         "grad_accum", "max_steps", "block_size_q", "amax_history_len", "checkpoint_interval", "eval_interval",
         "eval_iters", "nan_patience", "divergence_patience", "dead_neuron_window", "log_interval", "lr_decay_steps")},
     **{k: (0, None, True, True) for k in ("warmup_steps", "seed", "margin", "min_lr", "weight_decay",
-        "grad_clip", "dead_neuron_threshold")},
+        "grad_clip", "dead_neuron_threshold", "data_seed")},
     "lr": (0, None, False, True), "lr_scale": (0, None, False, True),
     "dropout": (0, 1, True, False),
     "beta1": (0, 1, True, False), "beta2": (0, 1, True, False),
@@ -248,7 +250,14 @@ def _validate(cfg: TrainConfig):
         if rule[1] is not None and (msg := _check_format(f"layer_formats[{i}] format", rule[1])): errors.append(msg)
     if not all(isinstance(t, str) for t in cfg.wandb_tags): errors.append(f"wandb_tags must be a list of strings, got {cfg.wandb_tags!r}")
     from altgrad.grid import LANDINGS
-    if cfg.weight_update in LANDINGS and LANDINGS[cfg.weight_update].residual and cfg.master_weights != "format":
+    if cfg.weight_update in LANDINGS and LANDINGS[cfg.weight_update].momentum:
+        from altgrad.optim import OPTIMIZERS
+        if cfg.optimizer in OPTIMIZERS and OPTIMIZERS[cfg.optimizer].absorb_error is None:
+            errors.append(f"weight_update={cfg.weight_update!r} folds the landing error into the optimizer's momentum, and optimizer="
+                          f"{cfg.optimizer!r} cannot take it; use one whose registry entry has absorb_error: "
+                          + ", ".join(n for n, o in OPTIMIZERS.items() if o.absorb_error is not None))
+    if cfg.weight_update in LANDINGS and (LANDINGS[cfg.weight_update].residual or LANDINGS[cfg.weight_update].momentum) \
+            and cfg.master_weights != "format":
         errors.append(f"weight_update={cfg.weight_update!r} needs master_weights='format': error feedback carries what rounding onto the 8-bit "
                       "grid lost, and with FP32 master weights nothing is lost (the FP32 copy already keeps every update)")
     if errors: raise ConfigError("invalid config: " + "; ".join(errors))
@@ -295,7 +304,10 @@ KEY_DOCS = {   # one line per TrainConfig key: what it means (allowed values are
     "dead_neuron_window": "steps a neuron must stay dead to be counted", "log_interval": "steps between log lines",
     "wandb_project": "W&B project", "wandb_run_name": "W&B run name (None: generated)", "wandb_tags": "W&B tags",
     "wandb_mode": "'auto' (online if logged in, else offline) | 'offline' | 'online' | 'disabled'",
-    "seed": "random seed (model init, data order, stochastic rounding)", "device": "'auto' | 'cpu' | 'cuda' | 'cuda:N'",
+    "seed": "random seed (model init, stochastic rounding; the data order too unless data_seed is set)",
+    "data_seed": "seed of the training data order alone (None: seed); separates the data order from the initialisation",
+    "init_from": "a trunk checkpoint (.pt) to branch from: its weights, optimizer state, data stream and step, then this run's update regime",
+    "device": "'auto' | 'cpu' | 'cuda' | 'cuda:N'",
     "compile": "torch.compile the model",
 }
 RENAMED_KEYS = {"rules": "layer_formats"}           # old key -> new key: old config files still load

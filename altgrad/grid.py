@@ -62,6 +62,7 @@ class Landing:
     apply: Callable
     stochastic: bool = False      # draws random bits (needs a generator)
     residual: bool = False        # carries what rounding lost to the next step (needs master_weights='format')
+    momentum: bool = False        # hands what rounding lost to the optimizer's momentum instead (ECO; `OptimizerSpec.absorb_error`)
 
 LANDINGS: dict[str, Landing] = {}
 
@@ -87,6 +88,7 @@ def _kahan(w, u, fmt, scale, residual, generator):
 register_landing(Landing("nearest", _nearest))
 register_landing(Landing("stochastic", _stochastic, stochastic=True))
 register_landing(Landing("kahan", _kahan, residual=True))
+register_landing(Landing("eco", _stochastic, stochastic=True, momentum=True))   # ECO: stochastic landing, error into the momentum
 
 def land(w: torch.Tensor, u: torch.Tensor, fmt, scale=1.0, rule: str = "nearest", residual: torch.Tensor | None = None,
          generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -14,7 +14,8 @@ from .formats import _noise23
 # %% auto #0
 __all__ = ['EXP_ROUNDINGS', 'GRID_KEYS', 'OPTIMIZERS', 'Lion', 'sr_seed', 'round_exponent', 'max_whole_shift', 'Madam',
            'decoupled_shrink', 'multiplicative_shrink', 'OptimizerSpec', 'register_optimizer', 'get_optimizer',
-           'default_lr_scale', 'optimizer_weight_decay', 'decay_groups', 'madam_grid_params', 'build_optimizer']
+           'default_lr_scale', 'optimizer_weight_decay', 'decay_groups', 'madam_grid_params', 'adamw_absorb_error',
+           'build_optimizer']
 
 # %% ../nbs/23_optim.ipynb #02da0abb
 EXP_ROUNDINGS = ("nearest", "stochastic")
@@ -182,6 +183,7 @@ class OptimizerSpec:
     grid_params: Callable | None = None   # (quantized layers, cfg) -> `build_optimizer`'s grid_params, weights on the grid
     decay_shrink: Callable[[float, float], float] = decoupled_shrink   # (group lr, group λ) -> c: one step's decay gives (1 - c) w
     intended: Callable | None = None      # (optimizer) -> {weight: the update it meant before landing on the grid itself}
+    absorb_error: Callable | None = None  # (optimizer, weight, landing error) -> None: folds the error into its state (ECO)
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {}
 
@@ -251,7 +253,19 @@ def madam_grid_params(layers, cfg) -> dict | None:
            for i, (_, m) in enumerate(layers) if m.fmt.man_bits == 0}
     return out or None
 
-register_optimizer(OptimizerSpec("adamw", _adamw))
+def adamw_absorb_error(optimizer, p: torch.Tensor, e: torch.Tensor):
+    """ECO (arXiv 2601.22101, Alg. 3) for AdamW: fold the landing error `e = (w + u) - land(w + u)` of parameter `p` into
+    the first moment, `m += (1 - β1^t)/η · (1 - 1/β1) · (sqrt(v̂) + ε) · e`, so that the coming steps re-apply `e` in
+    total; v is untouched, the decay term is not special-cased (as the paper's algorithm). η = 0 injects nothing."""
+    g = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    st, lr = optimizer.state[p], g["lr"]
+    if lr <= 0 or "exp_avg" not in st: return
+    (b1, b2), t = g["betas"], float(st["step"])
+    vhat = st["exp_avg_sq"] / (1 - b2 ** t)
+    st["exp_avg"].add_(((1 - b1 ** t) / lr * (1 - 1 / b1)) * (vhat.sqrt() + g["eps"]) * e.to(st["exp_avg"].dtype))
+
+register_optimizer(OptimizerSpec("adamw", _adamw, absorb_error=adamw_absorb_error))
+
 register_optimizer(OptimizerSpec("madam", _madam, lr_scale=10.0, wd_divisor=10.0 * math.log(2), takes_seed=True,
                                  grid_params=madam_grid_params, decay_shrink=multiplicative_shrink, intended=lambda opt: opt.intended))
 register_optimizer(OptimizerSpec("lion", _lion, lr_scale=0.3, wd_divisor=0.3))

@@ -300,7 +300,7 @@ class QuantizedLinear(nn.Linear):
         if master_weights not in MASTER_WEIGHTS: raise ValueError(f"master_weights={master_weights!r} is not one of {MASTER_WEIGHTS}")
         landing = get_landing(weight_update)                    # unknown names: ValueError listing LANDINGS
         if residual_dtype not in RESIDUAL_DTYPES: raise ValueError(f"residual_dtype={residual_dtype!r} is not one of {RESIDUAL_DTYPES}")
-        if landing.residual and master_weights != "format":
+        if (landing.residual or landing.momentum) and master_weights != "format":
             raise ValueError(f"weight_update={weight_update!r} needs master_weights='format' (with FP32 master weights no update is lost)")
         fmt = get_format(fmt); fmt_bwd = fmt if fmt_backward is None else get_format(fmt_backward)
         kw = dict(scaling=scaling, granularity=granularity, block_size=block_size, history_len=amax_history_len, algo=amax_algo,
@@ -319,6 +319,7 @@ class QuantizedLinear(nn.Linear):
         self._last_update = None                     # (w_before, u, scale) of the last step: r histograms
         self._decay: torch.Tensor | None = None      # [<landed decay, d>, ||d||^2] of the last step
         self._stall: torch.Tensor | None = None      # update_stats sums of the last step (altgrad.grid.STAT_FIELDS)
+        self._landing_error: torch.Tensor | None = None   # (w + u) - landed w of the last step, for an ECO optimizer
         self.weight_update, self.residual_dtype, self.margin = weight_update, residual_dtype, margin
         # weights on the grid (master_weights='format'): w = codes / grid_scale; lazily shaped buffers
         self.register_buffer("grid_scale", torch.zeros(0))     # the weight's own scale (empty: not on the grid yet)
@@ -551,6 +552,7 @@ def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict 
             w_new, c = land(before, u, q.qfmt, sn, m.weight_update, res, gen)
             w.copy_(w_new.to(w.dtype))
             if c is not None: m.residual = store_residual(c, m.residual_dtype, q.fmt)
+            m._landing_error = before.float() + u - w_new if landing.momentum else None   # ECO: for the optimizer's momentum
             m.grid_scale = s_new
             if q.delayed: q.history.update(amax_of(w_new, q.granularity, q.block_size))
             se = expand_scale(s_old, w, q.granularity, q.block_size)

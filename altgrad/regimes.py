@@ -32,8 +32,11 @@ class UpdateRule:
         landing = get_landing(self.landing); get_optimizer(self.optimizer)
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"update rule {self.name!r}: residual_dtype={self.residual_dtype!r} is not one of {', '.join(map(repr, RESIDUAL_DTYPES))}")
-        if landing.residual and self.master_weights != "format":
+        if (landing.residual or landing.momentum) and self.master_weights != "format":
             raise ValueError(f"update rule {self.name!r}: landing {self.landing!r} carries a residual and needs master_weights='format'")
+        if landing.momentum and get_optimizer(self.optimizer).absorb_error is None:
+            raise ValueError(f"update rule {self.name!r}: landing {self.landing!r} feeds the optimizer's momentum and optimizer "
+                             f"{self.optimizer!r} has no absorb_error (altgrad.optim.OptimizerSpec)")
         if self.lr_scale is not None and not self.lr_scale > 0:
             raise ValueError(f"update rule {self.name!r}: lr_scale={self.lr_scale!r} must be > 0 or None")
 
@@ -76,6 +79,7 @@ for _r in (
     UpdateRule("nearest", "round-to-nearest", "format", "nearest", "adamw"),
     UpdateRule("stochastic", "stochastic rounding", "format", "stochastic", "adamw"),
     UpdateRule("kahan", "Kahan error feedback", "format", "kahan", "adamw"),
+    UpdateRule("eco", "ECO (error into the momentum)", "format", "eco", "adamw"),
     UpdateRule("kahan_bf16", "Kahan error feedback (bf16 residual)", "format", "kahan", "adamw", residual_dtype="bf16"),
     UpdateRule("kahan_format", "Kahan error feedback (8-bit residual)", "format", "kahan", "adamw", residual_dtype="format"),
     UpdateRule("madam", "Madam (stochastic landing)", "format", "stochastic", "madam"),

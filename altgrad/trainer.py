@@ -34,9 +34,9 @@ from torch.nn.parallel import DistributedDataParallel
 # %% auto #0
 __all__ = ['RUN_FILES', 'TRAIN_TARGET', 'PROFILE_REGIONS', 'lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists',
            'run_state', 'config_changes', 'move_to_previous', 'claim_out_dir', 'Trainer', 'decay_factors',
-           'lr_scale_of', 'grid_params', 'quantized_cosine', 'layer_census', 'eval_windows', 'window_batch',
-           'check_ranks_agree', 'Interrupted', 'catch_interrupts', 'progress_label', 'device_info', 'train_cli',
-           'layer_time_share', 'bench_train']
+           'lr_scale_of', 'grid_params', 'quantized_cosine', 'layer_census', 'absorb_landing_errors', 'eval_windows',
+           'window_batch', 'check_ranks_agree', 'Interrupted', 'catch_interrupts', 'progress_label', 'device_info',
+           'train_cli', 'layer_time_share', 'bench_train']
 
 # %% ../nbs/26_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -167,7 +167,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.lr * self.lr_scale, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                          self.dev_type, grid_params=grid_params(self.model, cfg),
                                          **({"seed": cfg.seed} if get_optimizer(cfg.optimizer).takes_seed else {}))
-        self.train_gen = torch.Generator().manual_seed(cfg.seed)   # the data order: its own stream
+        self.train_gen = torch.Generator().manual_seed(cfg.seed if cfg.data_seed is None else cfg.data_seed)   # the data order
+        self.init_step = None                                     # a branch: the trunk step it started from
         self.shadow = FP32ShadowModel(self.model) if cfg.shadow else None
         self.dead = DeadNeuronTracker(cfg.dead_neuron_threshold, cfg.dead_neuron_window)
         self.divergence = DivergenceDetector(cfg.divergence_patience)
@@ -182,6 +183,7 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint_interval, cfg.keep_last, cfg.keep_best,
                                       clean_temp=self.main)
         if resume: self.resume()
+        if cfg.init_from and self.resumed_from is None: self.branch(cfg.init_from)
 
     @property
     def tokens_per_step(self) -> int:
@@ -240,6 +242,13 @@ def layer_census(model: nn.Module) -> dict:
     names = [n for n, _ in quantized.quantized_layers(model)]
     return dict(linear_layers=len(linears), quantized_layers=len(names), quantized_layer_names=names)
 
+def absorb_landing_errors(model: nn.Module, optimizer, name: str):
+    "ECO: hand each layer's landing error of this step to the optimizer (`OptimizerSpec.absorb_error`); no-op for other landings."
+    absorb = get_optimizer(name).absorb_error
+    for _, layer in quantized.quantized_layers(model):
+        e, layer._landing_error = layer._landing_error, None
+        if e is not None and absorb is not None: absorb(optimizer, layer.weight, e)
+
 @patch
 def train_step(self: Trainer) -> dict:
     "Run one optimizer step (or skip it when non-finite); returns the step's metrics."
@@ -284,6 +293,7 @@ def train_step(self: Trainer) -> dict:
         with torch.profiler.record_function("altgrad.quant_post_step"):     # (a label for `layer_time_share`; free otherwise)
             meant = get_optimizer(self.cfg.optimizer).intended       # an optimizer that lands on the grid itself says what it meant
             m.update(quantized.quant_post_step(model, decay_factors(self.optimizer, self.cfg.optimizer), meant and meant(self.optimizer)) or {})
+        absorb_landing_errors(model, self.optimizer, cfg.optimizer)
         m.update(zero_update_metrics(before, model))
         self.nan_streak = 0
     else:
@@ -382,7 +392,7 @@ def state_dict(self: Trainer) -> dict:
                 nan=dict(streak=self.nan_streak, first_step=self.first_nan_step,
                          anomaly=str(self.anomaly_path) if self.anomaly_path else None),
                 last_train_loss=self.last_train_loss, last_val_loss=self.last_val_loss,
-                **self._pending_state(), **self._rank_states())
+                **self._pending_state(), **self._rank_states(), **({"init_step": self.init_step} if self.init_step is not None else {}))
 
 @patch
 def _pending_state(self: Trainer) -> dict:
@@ -409,6 +419,7 @@ def load_state_dict(self: Trainer, st: dict):
     self.nan_streak, self.first_nan_step = st["nan"]["streak"], st["nan"]["first_step"]
     self.anomaly_path = Path(st["nan"]["anomaly"]) if st["nan"].get("anomaly") else None
     self.last_train_loss, self.last_val_loss = st.get("last_train_loss"), st.get("last_val_loss")
+    self.init_step = st.get("init_step", self.init_step)
     ranks = st.get("pending_amax_ranks") if self.world > 1 else None   # (absent in older checkpoints: nothing pending)
     quantized.load_pending_amax(self.model, ranks[self.rank] if ranks is not None else st.get("pending_amax"))
 
@@ -466,6 +477,28 @@ def resume(self: Trainer) -> Path | None:
     self.load_state_dict(st)
     self.resumed_from = path
     return path
+
+_BRANCH_FIXED = tuple(k for k in _RESUME_FIXED if k not in ("master_weights", "optimizer", "weight_update", "residual_dtype")) \
+    + ("optimizer", "lr", "min_lr", "warmup_steps", "beta1", "beta2", "weight_decay", "seed", "data_seed")
+
+@patch
+def branch(self: Trainer, path) -> int:
+    """Start from the trunk checkpoint `path` (`init_from`): its weights, optimizer state, data stream, detectors and step;
+    this run's own update regime from there on (weights land on its grid at the first step). Returns the step."""
+    try: st = torch.load(Path(path), map_location=self.device, weights_only=False)
+    except Exception as e:
+        raise ConfigError(f"init_from={str(path)!r} cannot be read as a checkpoint ({type(e).__name__}: {e}); "
+                          "give the step_*.pt file of a trunk run") from None
+    saved, now = {RENAMED_KEYS.get(k, k): v for k, v in st["config"].items()}, self.cfg.to_dict()
+    bad = [f"{k}={saved.get(k)!r} there, {now[k]!r} here" for k in _BRANCH_FIXED if saved.get(k) != now[k]]
+    decay = saved.get("lr_decay_steps") or saved.get("max_steps")
+    if decay != self.cfg.decay_steps: bad.append(f"the learning rate decays over {decay} steps there, {self.cfg.decay_steps} here")
+    if st.get("world_size", 1) != self.world: bad.append(f"{st.get('world_size', 1)} rank(s) there, {self.world} here")
+    if bad: raise ConfigError(f"cannot branch from {path}: " + "; ".join(bad) + "; a branch changes only the update regime")
+    self.load_state_dict(st)
+    self.run_id, self.anomaly_path, self.init_step = None, None, self.step
+    return self.step
+
 
 # %% ../nbs/26_trainer.ipynb #cdaa5b17
 @patch
@@ -558,7 +591,8 @@ def _summary(self: Trainer, reason, start_step: int, seconds: float, perf: list)
         vocab=vocab_info(self.data.dir),                    # the folder actually read: name, size, coverage
         compute_split={k: v for k, v in self.model.compute_split().items() if k != "layers_8bit"},
         run_dir=str(self.run_dir), run_id=self.run_id,
-        resumed_from=str(self.resumed_from) if self.resumed_from else None)
+        resumed_from=str(self.resumed_from) if self.resumed_from else None,
+        **({"init_from": self.cfg.init_from, "init_step": self.init_step} if self.init_step is not None else {}))
 
 @patch
 def fit(self: Trainer, until: int | None = None) -> dict:
