@@ -1,0 +1,98 @@
+"System tests of the confirmatory study (altgrad.confirm) on the smoke preset: branches, ECO, workers, the one-table storage."
+import json, math, os, shutil
+from pathlib import Path
+import pytest
+import torch
+
+from altgrad.config import load_config
+from altgrad.confirm import Design, Spec, collect, finished_runs, plan, read_steps, read_table, run_dir, spec_config, todo, work
+from altgrad.trainer import Trainer
+
+TINY = Design(preset="smoke", steps=8, trunk_step=4, formats=("E4M3", "E7M0"), regimes=("fp32", "nearest", "stochastic", "eco"),
+              base_mults=(1.0,), max_extensions=0, tuning_units=((5, 6),), heldout_inits=(7,), heldout_datas=(8,),
+              law_regimes=("nearest", "stochastic"))
+
+
+@pytest.fixture(autouse=True)
+def eager_kernels(monkeypatch):
+    "Smoke-sized tensors: eager quantization kernels (same numbers) spare the torch.compile warm-up."
+    monkeypatch.setenv("ALTGRAD_COMPILE", "never")
+
+
+def _state(t: Trainer) -> list:
+    return [v for v in t.model.state_dict().values() if torch.is_tensor(v)] + \
+           [s for st in t.optimizer.state.values() for s in st.values() if torch.is_tensor(s)]
+
+
+def test_fp32_branch_continues_trunk(tmp_path, small_data):
+    "A branch that changes nothing (FP32 master weights, x1) continues its trunk bit for bit; a branch may change only the regime."
+    base = dict(fmt="E5M2", seed=3, data_seed=4, data_dir=str(small_data), wandb_mode="disabled", max_steps=12, checkpoint_interval=6,
+                eval_interval=6)
+    full = Trainer(load_config("smoke", out_dir=str(tmp_path / "full"), **base), progress=False); full.fit()
+    trunk = Trainer(load_config("smoke", out_dir=str(tmp_path / "trunk"), **{**base, "max_steps": 6, "lr_decay_steps": 12}), progress=False)
+    trunk.fit()
+    ck = tmp_path / "trunk" / "checkpoints" / "step_000006.pt"
+    br = Trainer(load_config("smoke", out_dir=str(tmp_path / "br"), init_from=str(ck), **base), progress=False)
+    s = br.fit()
+    assert (s["init_step"], s["steps_this_run"], s["final_step"]) == (6, 6, 12)
+    assert all(torch.equal(a, b) for a, b in zip(_state(full), _state(br)))
+    assert s["final_val_loss"] == full.last_val_loss
+    other = Trainer(load_config("smoke", out_dir=str(tmp_path / "other"), **{**base, "data_seed": 9}), progress=False)
+    assert not torch.equal(next(iter(other.next_batches()))[0], next(iter(Trainer(load_config(
+        "smoke", out_dir=str(tmp_path / "x"), **base), progress=False).next_batches()))[0])          # data_seed moves the data alone
+    with pytest.raises(ValueError, match="cannot branch from .*lr=0.001 there, 0.002 here"):
+        Trainer(load_config("smoke", out_dir=str(tmp_path / "bad"), init_from=str(ck), **{**base, "lr": 0.002}), progress=False)
+    with pytest.raises(ValueError, match="cannot be read as a checkpoint"):
+        Trainer(load_config("smoke", out_dir=str(tmp_path / "bad2"), init_from=str(tmp_path / "nope.pt"), **base), progress=False)
+
+
+def test_eco_branch_lands_on_grid(tmp_path, small_data):
+    "An ECO branch keeps its weights on the grid and its error in AdamW's momentum (no residual buffer), and differs from stochastic rounding."
+    base = dict(fmt="E4M3", seed=3, data_dir=str(small_data), wandb_mode="disabled", max_steps=8, checkpoint_interval=4, eval_interval=4)
+    Trainer(load_config("smoke", out_dir=str(tmp_path / "trunk"), **{**base, "max_steps": 4, "lr_decay_steps": 8}), progress=False).fit()
+    ck = str(tmp_path / "trunk" / "checkpoints" / "step_000004.pt")
+    runs = {}
+    for wu in ("stochastic", "eco"):
+        t = Trainer(load_config("smoke", out_dir=str(tmp_path / wu), init_from=ck, master_weights="format", weight_update=wu, **base),
+                    progress=False)
+        t.fit(); runs[wu] = t
+    from altgrad.quantized import quantized_layers
+    from altgrad.formats import quantize
+    for _, m in quantized_layers(runs["eco"].model):
+        w = m.weight.detach()
+        assert torch.equal(quantize(w * m.grid_scale, m.fmt) / m.grid_scale, w)       # on the grid
+        assert m.residual.numel() == 0 and m._landing_error is None                    # no buffer kept, error handed over
+    assert not all(torch.equal(a, b) for a, b in zip(_state(runs["eco"]), _state(runs["stochastic"])))
+
+
+def test_tiny_study_workers_and_table(tmp_path, small_data, monkeypatch):
+    "Two workers share a tiny study; collect folds it into runs.json + steps.parquet; a fresh folder with only those two files needs no run."
+    monkeypatch.chdir(tmp_path)
+    out, data = Path("study"), str(small_data)
+    import threading
+    said = []
+    ts = [threading.Thread(target=work, args=(TINY, out, data), kwargs=dict(log=lambda *a, **k: said.append(a[0]))) for _ in range(2)]
+    for t in ts: t.start()
+    for t in ts: t.join()
+    specs, done = todo(TINY, out, data, ("tuning", "heldout"))
+    n_trunks, n_branches = 2 * 2, 2 * (4 + 4)                # per unit: 2 formats x (4 regimes at x1 = the chosen one too)
+    assert specs == [] and len(done) == n_trunks + n_branches, (specs, sorted(done))
+    assert len(said) == len(done), said                       # every run trained once, by one of the two workers
+    counts = collect(out)
+    assert counts == dict(runs=len(done), folded=len(done))
+    table, steps = read_table(out), read_steps(out)
+    assert set(steps["run"]) == set(table) and len(steps) == 2 * 2 * 4 + 2 * 8 * 4   # trunks 4 steps, branches 4 steps (5-8)
+    row = table[Spec("heldout", "E7M0", (7, 8), "eco").name]
+    assert row["config"]["weight_update"] == "eco" and row["summary"]["init_step"] == 4
+    fresh = Path("fresh"); fresh.mkdir()
+    for f in ("runs.json", "steps.parquet"): shutil.copy(out / f, fresh / f)
+    # the table's configs name their own folder (out_dir is ignored when matching): a fresh clone reuses every run
+    specs2, done2 = todo(TINY, out, data, ("tuning", "heldout"))
+    shutil.rmtree(out / "runs")
+    specs3, done3 = todo(TINY, out, data, ("tuning", "heldout"))
+    assert specs3 == [] and done3 == done2
+    cfg = spec_config(TINY, Spec("heldout", "E7M0", (7, 8), "eco"), out, data)
+    changed = dict(table); changed[cfg.out_dir.split("/")[-1]] = {**row, "config": {**row["config"], "lr": 0.5}}
+    (out / "runs.json").write_text(json.dumps(list(changed.values())))
+    specs4, _ = todo(TINY, out, data, ("tuning", "heldout"))
+    assert [s.name for s in specs4] == ["trunk-E7M0-i7-d8", "E7M0-eco-x1-i7-d8"]   # a changed config is trained again (its trunk first)
