@@ -8,9 +8,10 @@ from altgrad.config import load_config
 from altgrad.confirm import Design, Spec, collect, finished_runs, plan, read_steps, read_table, run_dir, spec_config, todo, work
 from altgrad.trainer import Trainer
 
-TINY = Design(preset="smoke", steps=8, trunk_step=4, formats=("E4M3", "E7M0"), regimes=("fp32", "nearest", "stochastic", "eco"),
-              base_mults=(1.0,), max_extensions=0, tuning_units=((5, 6),), heldout_inits=(7,), heldout_datas=(8,),
+TINY = Design(preset="smoke", steps=8, trunk_step=4, formats=("E6M1", "E7M0"), regimes=("nearest", "stochastic", "kahan", "eco"),
+              base_mults=(1.0,), max_extensions=0, tuning_units=((5, 6),), heldout_inits=(7, 9), heldout_datas=(8,),
               law_regimes=("nearest", "stochastic"))
+FIXTURE = Path(__file__).parent / "fixtures" / "confirm"       # TINY's table and answer, made by `python tests/test_confirm.py DATA_DIR`
 
 
 @pytest.fixture(autouse=True)
@@ -66,33 +67,57 @@ def test_eco_branch_lands_on_grid(tmp_path, small_data):
 
 
 def test_tiny_study_workers_and_table(tmp_path, small_data, monkeypatch):
-    "Two workers share a tiny study; collect folds it into runs.json + steps.parquet; a fresh folder with only those two files needs no run."
+    "Two workers share a tiny study; collect folds it into runs.json + steps.parquet; with only those two files no run is needed."
     monkeypatch.chdir(tmp_path)
     out, data = Path("study"), str(small_data)
+    said = train_tiny(out, data)
+    specs, done = todo(TINY, out, data, ("tuning", "heldout"))
+    n = 3 * 2 * (1 + 4)                                        # units x formats x (trunk + 4 regimes at x1)
+    assert specs == [] and len(done) == n, (specs, sorted(done))
+    assert len(said) == n, said                               # every run trained once, by one of the two workers
+    assert collect(out) == dict(runs=n, folded=n)
+    table, steps = read_table(out), read_steps(out)
+    assert set(steps["run"]) == set(table) and len(steps) == 3 * 2 * (4 + 4 * 4)   # trunks: steps 1-4, branches: 5-8
+    row = table[Spec("heldout", "E7M0", (7, 8), "eco").name]
+    assert row["config"]["weight_update"] == "eco" and row["summary"]["init_step"] == 4
+    shutil.rmtree(out / "runs")                               # a fresh clone: the table alone
+    specs2, done2 = todo(TINY, out, data, ("tuning", "heldout"))
+    assert specs2 == [] and done2 == done
+    changed = dict(table); changed[row["name"]] = {**row, "config": {**row["config"], "lr": 0.5}}
+    (out / "runs.json").write_text(json.dumps(list(changed.values())))
+    specs3, _ = todo(TINY, out, data, ("tuning", "heldout"))
+    assert [s.name for s in specs3] == ["trunk-E7M0-i7-d8", "E7M0-eco-x1-i7-d8"]   # a changed config trains again (its trunk first)
+
+
+def train_tiny(out, data) -> list:
+    "TINY trained by two worker threads sharing `out`; the workers' lines."
     import threading
     said = []
     ts = [threading.Thread(target=work, args=(TINY, out, data), kwargs=dict(log=lambda *a, **k: said.append(a[0]))) for _ in range(2)]
     for t in ts: t.start()
     for t in ts: t.join()
-    specs, done = todo(TINY, out, data, ("tuning", "heldout"))
-    n_trunks, n_branches = 2 * 2, 2 * (4 + 4)                # per unit: 2 formats x (4 regimes at x1 = the chosen one too)
-    assert specs == [] and len(done) == n_trunks + n_branches, (specs, sorted(done))
-    assert len(said) == len(done), said                       # every run trained once, by one of the two workers
-    counts = collect(out)
-    assert counts == dict(runs=len(done), folded=len(done))
-    table, steps = read_table(out), read_steps(out)
-    assert set(steps["run"]) == set(table) and len(steps) == 2 * 2 * 4 + 2 * 8 * 4   # trunks 4 steps, branches 4 steps (5-8)
-    row = table[Spec("heldout", "E7M0", (7, 8), "eco").name]
-    assert row["config"]["weight_update"] == "eco" and row["summary"]["init_step"] == 4
-    fresh = Path("fresh"); fresh.mkdir()
-    for f in ("runs.json", "steps.parquet"): shutil.copy(out / f, fresh / f)
-    # the table's configs name their own folder (out_dir is ignored when matching): a fresh clone reuses every run
-    specs2, done2 = todo(TINY, out, data, ("tuning", "heldout"))
-    shutil.rmtree(out / "runs")
-    specs3, done3 = todo(TINY, out, data, ("tuning", "heldout"))
-    assert specs3 == [] and done3 == done2
-    cfg = spec_config(TINY, Spec("heldout", "E7M0", (7, 8), "eco"), out, data)
-    changed = dict(table); changed[cfg.out_dir.split("/")[-1]] = {**row, "config": {**row["config"], "lr": 0.5}}
-    (out / "runs.json").write_text(json.dumps(list(changed.values())))
-    specs4, _ = todo(TINY, out, data, ("tuning", "heldout"))
-    assert [s.name for s in specs4] == ["trunk-E7M0-i7-d8", "E7M0-eco-x1-i7-d8"]   # a changed config is trained again (its trunk first)
+    return said
+
+
+def test_answer_regenerates_from_fixture(tmp_path):
+    "The answer of a committed tiny study is rewritten byte for byte from its table alone (no data, no training)."
+    from altgrad.confirm_answer import write_answer
+    for f in ("runs.json", "steps.parquet"): shutil.copy(FIXTURE / f, tmp_path / f)
+    A = write_answer(TINY, tmp_path)
+    assert A["status"] == "complete" and A["units"] == [(7, 8), (9, 8)]
+    for f in ("answer.md", "study.json"): assert (tmp_path / f).read_text() == (FIXTURE / f).read_text(), f
+    assert (tmp_path / "figures" / "law.png").stat().st_size > 10_000
+    first = (tmp_path / "answer.md").read_text().split("\n")[2]
+    assert first.startswith("**E") and "H1 (one law)" in first and "H3 (E7M0 > E6M1" in first and "H4 (ECO" in first
+
+
+if __name__ == "__main__":              # make the fixture: python tests/test_confirm.py DATA_DIR (a prepared EurLex folder)
+    import sys, tempfile
+    from altgrad.confirm_answer import write_answer
+    os.environ["ALTGRAD_COMPILE"] = "never"
+    work_dir = Path(tempfile.mkdtemp()); os.chdir(work_dir)
+    train_tiny(Path("study"), sys.argv[1]); collect("study")
+    FIXTURE.mkdir(parents=True, exist_ok=True)
+    for f in ("runs.json", "steps.parquet"): shutil.copy(Path("study") / f, FIXTURE / f)
+    write_answer(TINY, FIXTURE); shutil.rmtree(FIXTURE / "figures")
+    print(f"wrote {FIXTURE}")
