@@ -8,13 +8,18 @@ import argparse, json, platform, statistics, sys, tempfile, time
 from pathlib import Path
 from typing import Callable
 import torch
-from .formats import FORMAT_REGISTRY, quantize
+from .formats import FORMAT_REGISTRY, get_format, quantize
 from .pool import Job, run_pool, job_env, runs_on_cpu
+from .config import load_config, parse_overrides
+from .data import prepare_eurlex, shared_data_dir
+from .regimes import UPDATE_RULES
+from .trainer import Trainer, device_info
+
 
 # %% auto #0
-__all__ = ['COMPILE_PROBE', 'BYTES_PER_ELEMENT', 'DEFAULT_RULES', 'RULE_TARGETS', 'time_side_by_side', 'bench_quantize',
-           'interleave_steps', 'bench_rules', 'unmet_goals', 'peak_matmul_tflops', 'mfu', 'run_wave', 'knee',
-           'bench_jobs', 'main']
+__all__ = ['COMPILE_PROBE', 'BYTES_PER_ELEMENT', 'DEFAULT_RULES', 'RULE_TARGETS', 'TRAIN_TARGET', 'PROFILE_REGIONS',
+           'time_side_by_side', 'bench_quantize', 'interleave_steps', 'bench_rules', 'unmet_goals', 'layer_time_share',
+           'bench_train', 'peak_matmul_tflops', 'mfu', 'run_wave', 'knee', 'bench_jobs', 'main']
 
 # %% ../nbs/27_bench.ipynb #ce63491f
 def time_side_by_side(fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 1,
@@ -32,7 +37,6 @@ def time_side_by_side(fns: dict[str, Callable[[], object]], repeats: int = 7, wa
 # %% ../nbs/27_bench.ipynb #7cc4aab1
 def _env(device) -> dict:
     "Where a benchmark ran: device (with the GPU's name and the CUDA version on CUDA), torch, threads, CPU, Python."
-    from altgrad.trainer import device_info         # torch; on CUDA the GPU and the CUDA version (what a run's summary records)
     return dict(device=str(device), **{k: v for k, v in device_info(device).items() if v is not None}, threads=torch.get_num_threads(),
                 cpu=platform.processor() or platform.machine(), python=platform.python_version())
 
@@ -79,7 +83,6 @@ RULE_TARGETS = {"stochastic": 1.05, "kahan": 1.05, "madam_nearest": 1.05}   # st
 def _bench_data(tmp, max_docs: int = 200) -> str:
     "A small prepared EurLex folder under `tmp` (from the shared sample when there is one)."
     from pathlib import Path
-    from altgrad.data import prepare_eurlex, shared_data_dir
     sd = shared_data_dir()
     out = str(Path(tmp) / "data")
     prepare_eurlex(out, source=(sd / "eurlex") if sd else None, max_docs=max_docs, progress=False)
@@ -101,9 +104,6 @@ def bench_rules(preset: str = "cpu", fmt: str = "E4M3", steps: int = 30, data_di
     "Median step time of trainers of `preset`, one per update regime (`regimes.UPDATE_RULES` names), interleaved; ratios to `nearest`."
     import tempfile
     from pathlib import Path
-    from altgrad.config import load_config
-    from altgrad.trainer import Trainer
-    from altgrad.regimes import UPDATE_RULES
     rules = list(dict.fromkeys(["nearest", *rules]))                 # nearest is the baseline: always there, first
     bad = [r for r in rules if r not in UPDATE_RULES]
     if bad: raise ValueError(f"unknown rule(s) {bad}; valid: {', '.join(UPDATE_RULES)}")
@@ -131,6 +131,68 @@ def unmet_goals(res, path: str = "") -> list[str]:
     if not isinstance(res, dict): return []
     here = [path or "met"] if res.get("met") is False else []
     return here + [p for k, v in res.items() for p in unmet_goals(v, f"{path}.{k}" if path else str(k))]
+
+# %% ../nbs/27_bench.ipynb #78957198
+TRAIN_TARGET = 1.15      # goal: the 8-bit step (FP32 master weights) over the plain step of the same preset
+
+PROFILE_REGIONS = {"share_in_8bit_layers": ("_QuantizedLinearFn", "_QuantizedLinearFnBackward"),
+                   "share_in_quant_post_step": ("altgrad.quant_post_step",), "share_in_quant_metrics": ("altgrad.quant_metrics",)}
+
+def layer_time_share(trainer, steps: int = 10, top: int = 12) -> dict:
+    """Shares of `trainer`'s wall time over `steps` steps (CPU profiler, so CPU runs only: on a GPU it would count launch
+    time) spent in `PROFILE_REGIONS`: inside the 8-bit layers (forward and backward of every `QuantizedLinear`: their
+    GEMMs, quantization and counters), in `quant_post_step` (grid landing and update statistics) and in `quant_metrics`;
+    and the operators with the most self time. Numerators and denominator are inflated alike by the profiler's overhead;
+    `wall_per_step` is measured under the profiler and is not comparable with `bench_train`'s step times."""
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps): trainer.train_step()
+        wall = time.perf_counter() - t0
+    ev = prof.key_averages()
+    share = {k: sum(e.cpu_time_total for e in ev if e.key in keys) / 1e6 / wall for k, keys in PROFILE_REGIONS.items()}
+    ops = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return dict(steps=steps, wall_per_step=wall / steps, **share,
+                top_self_time_share={e.key: round(e.self_cpu_time_total / 1e6 / wall, 4) for e in ops})
+
+def _utilisation(flops: float, step_time: dict, device, amp_dtype) -> dict:
+    "Model FLOPs per step and, on CUDA, MFU of each variant against the measured matmul ceiling of the step's dtype."
+    out = dict(model_flops_per_step=flops, model_tflops={k: flops / v / 1e12 for k, v in step_time.items()})
+    if str(device).startswith("cuda"):
+        dt = amp_dtype or torch.float32
+        peak = peak_matmul_tflops(device, dtype=dt)
+        out.update(peak_dtype=str(dt).replace("torch.", ""), peak_tflops_measured=peak,
+                   mfu={k: mfu(flops, v, peak) for k, v in step_time.items()})
+    return out
+
+def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, data_dir: str | None = None,
+                warmup: int = 3, profile: int = 0, shadow: bool = True, **overrides) -> dict:
+    """Median step time of plain (/ +shadow) (/ fmt / fmt+shadow) trainers of `preset`, interleaved; ratios to plain.
+
+    The goal `TRAIN_TARGET` is the 8-bit step over the plain one. `profile` > 0 adds `layer_time_share` of the 8-bit
+    trainer over that many further steps (the profile that explains the ratio)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if data_dir is None:
+            sd = shared_data_dir()
+            data_dir = str(Path(tmp) / "data")
+            prepare_eurlex(data_dir, source=(sd / "eurlex") if sd else None, max_docs=200, progress=False)
+        variants = {"plain": dict(fmt=None, shadow=False), **({"shadow": dict(fmt=None, shadow=True)} if shadow else {})}
+        if fmt: variants.update({fmt: dict(fmt=fmt, shadow=False), **({f"{fmt}+shadow": dict(fmt=fmt, shadow=True)} if shadow else {})})
+        trainers = {k: Trainer(load_config(preset, data_dir=str(data_dir), out_dir=str(Path(tmp) / k.replace("+", "_")),
+                                           max_steps=warmup + steps + profile, wandb_mode="disabled", **{**overrides, **v}), progress=False)
+                    for k, v in variants.items()}
+        times = interleave_steps(trainers, steps, warmup)
+        prof = layer_time_share(trainers[fmt], profile) if fmt and profile > 0 else None
+        tps = next(iter(trainers.values())).tokens_per_step
+        flops = trainers["plain"].model.compute_split()["flops_total"] * tps      # model FLOPs of one step (no shadow)
+        device = next(iter(trainers.values())).device
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = {k: v / med["plain"] for k, v in med.items()}
+    util = _utilisation(flops, med, device, next(iter(trainers.values())).amp_dtype)
+    goal = dict(targets={fmt: TRAIN_TARGET}, met=ratio[fmt] <= TRAIN_TARGET) if fmt else {}
+    return dict(preset=preset, fmt=fmt, steps=steps, **_env(device),
+                tokens_per_step=tps, step_time=med, tokens_per_sec={k: tps / v for k, v in med.items()}, ratio=ratio, **goal, **util,
+                **({"profile": prof} if prof else {}))
 
 # %% ../nbs/27_bench.ipynb #d7b2e9d0
 def peak_matmul_tflops(device: str = "cuda", n: int = 8192, dtype: torch.dtype = torch.bfloat16, repeats: int = 10) -> float:
@@ -172,7 +234,6 @@ def knee(curve: list[dict], share: float = 0.9, key: str = "runs_per_hour_at_ful
 def bench_jobs(preset: str = "gpu", jobs=(1, 2, 4, 8), steps: int = 200, data_dir: str | None = None,
                knee_share: float = 0.9, **overrides) -> dict:
     "Runs per hour against concurrent runs per device (`run_wave` for each count in `jobs`); the knee is `--jobs`' default."
-    from altgrad.config import load_config
     cfg = load_config(preset, **overrides)
     full, cpu = cfg.max_steps, runs_on_cpu(cfg)
     with tempfile.TemporaryDirectory() as tmp:
@@ -188,7 +249,6 @@ def bench_jobs(preset: str = "gpu", jobs=(1, 2, 4, 8), steps: int = 200, data_di
 # %% ../nbs/27_bench.ipynb #acace413
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `altgrad-bench` console script."
-    from altgrad.regimes import UPDATE_RULES
     p = argparse.ArgumentParser(prog="altgrad-bench", description="altgrad benchmarks (JSON on stdout; ratios side by side)")
     sub = p.add_subparsers(dest="what", required=True)
     strict = argparse.ArgumentParser(add_help=False)
@@ -223,12 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     dev = {"device": a.device} if getattr(a, "device", None) and a.what == "train" else {}
     if a.what == "quantize":
-        from altgrad.formats import get_format
         try: fmts = [get_format(f.strip()).name for f in a.formats.split(",") if f.strip()]
         except ValueError as e: p.error(str(e))
         res = bench_quantize(a.numel, fmts, tuple(r.strip() for r in a.roundings.split(",")), a.repeats, a.device, a.eager)
     elif a.what == "jobs":
-        from altgrad.config import parse_overrides
         try: counts = [int(n) for n in a.jobs.split(",")]
         except ValueError: p.error(f"--jobs: comma-separated counts, got {a.jobs!r}")
         if not counts or min(counts) < 1: p.error(f"--jobs: counts must be >= 1, got {a.jobs!r}")
@@ -239,7 +297,6 @@ def main(argv: list[str] | None = None) -> int:
         if bad: p.error(f"--rules: unknown rule(s) {bad}; valid: {', '.join(UPDATE_RULES)}")
         res = bench_rules(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup, rules=rules, shadow=a.shadow, **dev)
     else:
-        from altgrad.trainer import bench_train
         res = bench_train(**dev, preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup,
                           profile=a.profile, shadow=not a.no_shadow)
     print(json.dumps(res, indent=1))

@@ -32,11 +32,10 @@ from .tracking import NullTracker
 from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'TRAIN_TARGET', 'PROFILE_REGIONS', 'lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists',
-           'run_state', 'config_changes', 'move_to_previous', 'claim_out_dir', 'Trainer', 'decay_factors',
-           'lr_scale_of', 'grid_params', 'quantized_cosine', 'layer_census', 'absorb_landing_errors', 'eval_windows',
-           'window_batch', 'check_ranks_agree', 'Interrupted', 'catch_interrupts', 'progress_label', 'device_info',
-           'train_cli', 'layer_time_share', 'bench_train']
+__all__ = ['RUN_FILES', 'lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists', 'run_state', 'config_changes',
+           'move_to_previous', 'claim_out_dir', 'Trainer', 'decay_factors', 'lr_scale_of', 'grid_params',
+           'quantized_cosine', 'layer_census', 'absorb_landing_errors', 'eval_windows', 'window_batch',
+           'check_ranks_agree', 'Interrupted', 'catch_interrupts', 'progress_label', 'device_info', 'train_cli']
 
 # %% ../nbs/26_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -687,68 +686,3 @@ def train_cli(argv: list[str] | None = None) -> int:
 # %% ../nbs/26_trainer.ipynb #00298919
 #| eval: false
 if __name__ == "__main__": sys.exit(train_cli())
-
-# %% ../nbs/26_trainer.ipynb #78957198
-TRAIN_TARGET = 1.15      # goal: the 8-bit step (FP32 master weights) over the plain step of the same preset
-
-PROFILE_REGIONS = {"share_in_8bit_layers": ("_QuantizedLinearFn", "_QuantizedLinearFnBackward"),
-                   "share_in_quant_post_step": ("altgrad.quant_post_step",), "share_in_quant_metrics": ("altgrad.quant_metrics",)}
-
-def layer_time_share(trainer, steps: int = 10, top: int = 12) -> dict:
-    """Shares of `trainer`'s wall time over `steps` steps (CPU profiler, so CPU runs only: on a GPU it would count launch
-    time) spent in `PROFILE_REGIONS`: inside the 8-bit layers (forward and backward of every `QuantizedLinear`: their
-    GEMMs, quantization and counters), in `quant_post_step` (grid landing and update statistics) and in `quant_metrics`;
-    and the operators with the most self time. Numerators and denominator are inflated alike by the profiler's overhead;
-    `wall_per_step` is measured under the profiler and is not comparable with `bench_train`'s step times."""
-    from torch.profiler import profile, ProfilerActivity
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps): trainer.train_step()
-        wall = time.perf_counter() - t0
-    ev = prof.key_averages()
-    share = {k: sum(e.cpu_time_total for e in ev if e.key in keys) / 1e6 / wall for k, keys in PROFILE_REGIONS.items()}
-    ops = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return dict(steps=steps, wall_per_step=wall / steps, **share,
-                top_self_time_share={e.key: round(e.self_cpu_time_total / 1e6 / wall, 4) for e in ops})
-
-def _utilisation(flops: float, step_time: dict, device, amp_dtype) -> dict:
-    "Model FLOPs per step and, on CUDA, MFU of each variant against the measured matmul ceiling of the step's dtype."
-    out = dict(model_flops_per_step=flops, model_tflops={k: flops / v / 1e12 for k, v in step_time.items()})
-    if str(device).startswith("cuda"):
-        from altgrad.bench import peak_matmul_tflops, mfu
-        dt = amp_dtype or torch.float32
-        peak = peak_matmul_tflops(device, dtype=dt)
-        out.update(peak_dtype=str(dt).replace("torch.", ""), peak_tflops_measured=peak,
-                   mfu={k: mfu(flops, v, peak) for k, v in step_time.items()})
-    return out
-
-def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, data_dir: str | None = None,
-                warmup: int = 3, profile: int = 0, shadow: bool = True, **overrides) -> dict:
-    """Median step time of plain (/ +shadow) (/ fmt / fmt+shadow) trainers of `preset`, interleaved; ratios to plain.
-
-    The goal `TRAIN_TARGET` is the 8-bit step over the plain one. `profile` > 0 adds `layer_time_share` of the 8-bit
-    trainer over that many further steps (the profile that explains the ratio)."""
-    from altgrad.bench import interleave_steps, _env
-    with tempfile.TemporaryDirectory() as tmp:
-        if data_dir is None:
-            from altgrad.data import prepare_eurlex, shared_data_dir
-            sd = shared_data_dir()
-            data_dir = str(Path(tmp) / "data")
-            prepare_eurlex(data_dir, source=(sd / "eurlex") if sd else None, max_docs=200, progress=False)
-        variants = {"plain": dict(fmt=None, shadow=False), **({"shadow": dict(fmt=None, shadow=True)} if shadow else {})}
-        if fmt: variants.update({fmt: dict(fmt=fmt, shadow=False), **({f"{fmt}+shadow": dict(fmt=fmt, shadow=True)} if shadow else {})})
-        trainers = {k: Trainer(load_config(preset, data_dir=str(data_dir), out_dir=str(Path(tmp) / k.replace("+", "_")),
-                                           max_steps=warmup + steps + profile, wandb_mode="disabled", **{**overrides, **v}), progress=False)
-                    for k, v in variants.items()}
-        times = interleave_steps(trainers, steps, warmup)
-        prof = layer_time_share(trainers[fmt], profile) if fmt and profile > 0 else None
-        tps = next(iter(trainers.values())).tokens_per_step
-        flops = trainers["plain"].model.compute_split()["flops_total"] * tps      # model FLOPs of one step (no shadow)
-        device = next(iter(trainers.values())).device
-    med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = {k: v / med["plain"] for k, v in med.items()}
-    util = _utilisation(flops, med, device, next(iter(trainers.values())).amp_dtype)
-    goal = dict(targets={fmt: TRAIN_TARGET}, met=ratio[fmt] <= TRAIN_TARGET) if fmt else {}
-    return dict(preset=preset, fmt=fmt, steps=steps, **_env(device),
-                tokens_per_step=tps, step_time=med, tokens_per_sec={k: tps / v for k, v in med.items()}, ratio=ratio, **goal, **util,
-                **({"profile": prof} if prof else {}))
