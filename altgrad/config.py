@@ -317,7 +317,7 @@ KEY_ALIASES = {"learning_rate": "lr", "steps": "max_steps", "num_steps": "max_st
                "d_model": "n_embd", "hidden_size": "n_embd", "optim": "optimizer", "landing": "weight_update",
                "gradient_accumulation_steps": "grad_accum", "clip": "grad_clip", "wd": "weight_decay"}
 # keys added after runs were committed, with the default that reproduces what those runs did
-BACKWARD_DEFAULTS = {"eval_tokens": 0}
+BACKWARD_DEFAULTS = {"eval_tokens": 0, "data_seed": None, "init_from": None}   # what runs before these keys did
 
 _RENAME_NOTED: set = set()                          # old keys already announced in this process
 
