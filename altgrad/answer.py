@@ -22,24 +22,26 @@ from .study import (CONTROL, UPPER, REF_PRECISIONS, STUDY_RULES, SEED_EXPECTATIO
 from .tracking import METRICS_COMPACT
 
 # %% auto #0
-__all__ = ['MECH_KEYS', 'MECH_ALL', 'EXPECTATION_CHECKS', 'grid_rules', 'same_landing', 'mechanism_of', 'run_record',
-           'progress_lost_ci', 'cell_stats', 'headline_of', 'best_rule_of', 'analyze', 'write_fake_run', 'pm',
-           'recovered_text', 'ci_text', 'rule_label', 'model_text', 'interval_verdict', 'corr_text', 'lead_sentences',
-           'counts_sentence', 'mechanism_sentence', 'same_landing_sentence', 'gap_sentence', 'weakness_sentence',
-           'answer_paragraph', 'expect_fails', 'expect_best', 'expectation_notes', 'plot_benefit', 'plot_lr_sweep',
-           'save_figure', 'results_section', 'same_landing_section', 'ranking_section', 'mechanism_section',
-           'rises_at_low_rates', 'figures_section', 'references_section', 'lr_sweep_section', 'landing_note',
-           'protocol_section', 'threats_section', 'regenerate_section', 'write_answer', 'report_study', 'format_pairs',
-           'law_points', 'decisive_expectations', 'grid_family', 'decisive_cells', 'decisive_mde', 'headline_record',
-           'decisive_analyze', 'incomplete_text', 'law_clause', 'decisive_paragraph', 'pairs_section',
-           'decisive_results_section', 'law_section', 'bracket_section', 'plot_law', 'decisive_protocol_section',
-           'write_decisive_answer', 'report_decisive', 'fake_decisive_study']
+__all__ = ['MECH_KEYS', 'MECH_ALL', 'STUDY_COLUMNS', 'EXPECTATION_CHECKS', 'grid_rules', 'same_landing', 'mechanism_of',
+           'run_record', 'progress_lost_ci', 'cell_stats', 'headline_of', 'best_rule_of', 'analyze', 'write_fake_run',
+           'pm', 'recovered_text', 'ci_text', 'rule_label', 'model_text', 'interval_verdict', 'corr_text',
+           'lead_sentences', 'counts_sentence', 'mechanism_sentence', 'same_landing_sentence', 'gap_sentence',
+           'weakness_sentence', 'answer_paragraph', 'expect_fails', 'expect_best', 'expectation_notes', 'plot_benefit',
+           'plot_lr_sweep', 'save_figure', 'results_section', 'same_landing_section', 'ranking_section',
+           'mechanism_section', 'rises_at_low_rates', 'figures_section', 'references_section', 'lr_sweep_section',
+           'landing_note', 'protocol_section', 'threats_section', 'regenerate_section', 'write_answer', 'report_study',
+           'format_pairs', 'law_points', 'decisive_expectations', 'grid_family', 'decisive_cells', 'decisive_mde',
+           'headline_record', 'decisive_analyze', 'incomplete_text', 'law_clause', 'decisive_paragraph',
+           'pairs_section', 'decisive_results_section', 'law_section', 'bracket_section', 'plot_law',
+           'decisive_protocol_section', 'write_decisive_answer', 'report_decisive', 'fake_decisive_study']
 
 # %% ../nbs/35_answer.ipynb #35a00005
 MECH_KEYS = {"pred_stall": "pred_stall/total", "update_ratio": "update_ratio/total", "stall": "stall/total",
              "rho": "rho/total", "lost_update": "lost_update/total", "flip_back": "flip_back/total",
              "zero_frac": "zero_frac/total"}
 MECH_ALL = tuple(MECH_KEYS) + tuple(k + "_post" for k in MECH_KEYS)
+STUDY_COLUMNS = ("val/loss", *MECH_KEYS.values())    # every per-step column a decisive study's answer reads (`step` aside):
+                                                     # what `altgrad.runs.write_dataset(out, keep=STUDY_COLUMNS)` keeps
 
 def grid_rules(rules) -> list[str]:
     "The grid-aware regimes among `rules`: all but the control and the upper bound."

@@ -11,15 +11,16 @@ import numpy as np
 import pandas as pd
 from .config import load_config, TrainConfig, ConfigError
 from .regimes import get_rule
+from .runs import TABLE, STEPS_FILE, read_table, read_steps     # the study table: one row per run, per-step columns
 from .sweep import check_run, config_diff
 from .study import claim_run, lr_scale_for, mult_label
 from .tracking import compact_run
 from .trainer import Trainer, run_state
 
 # %% auto #0
-__all__ = ['COLUMNS', 'TABLE', 'STEPS_FILE', 'FINISHED', 'Design', 'Spec', 'run_dir', 'trunk_checkpoint', 'spec_config',
-           'run_record', 'read_table', 'read_steps', 'finished_runs', 'loss_or_inf', 'choose_mult', 'tuning_mults',
-           'cell_losses', 'choices', 'plan', 'todo', 'train', 'work', 'collect', 'pilot_summary', 'main']
+__all__ = ['COLUMNS', 'FINISHED', 'Design', 'Spec', 'run_dir', 'trunk_checkpoint', 'spec_config', 'run_record', 'finished_runs',
+           'loss_or_inf', 'choose_mult', 'tuning_mults', 'cell_losses', 'choices', 'plan', 'todo', 'train', 'work',
+           'collect', 'pilot_summary', 'main']
 
 # %% ../nbs/38_confirm.ipynb #5d1e21aa
 @dataclass(frozen=True)
@@ -85,8 +86,6 @@ def spec_config(design: Design, spec: Spec, out, data_dir) -> TrainConfig:
 # %% ../nbs/38_confirm.ipynb #97cb5029
 COLUMNS = {"train/loss": "train_loss", "val/loss": "val_loss", "train/lr": "lr", "lost_update/total": "lost_update",
            "stall/total": "stall", "pred_stall/total": "pred_stall", "update_ratio/total": "update_ratio"}
-TABLE, STEPS_FILE = "runs.json", "steps.parquet"
-
 def run_record(d) -> tuple[dict, pd.DataFrame]:
     "A finished run folder as one table row (its resolved config and summary) and its per-step columns (`COLUMNS`)."
     d = Path(d)
@@ -99,14 +98,6 @@ def run_record(d) -> tuple[dict, pd.DataFrame]:
             "seconds", "init_step", "num_params")
     return dict(name=d.name, config=cfg, summary={k: summ.get(k) for k in keep}), steps
 
-def read_table(out) -> dict:
-    "{run name: row} of the committed study table (`out/runs.json`); {} when there is none yet."
-    p = Path(out) / TABLE
-    return {r["name"]: r for r in json.loads(p.read_text())} if p.exists() else {}
-
-def read_steps(out) -> pd.DataFrame:
-    "The committed per-step columns of every run (`out/steps.parquet`)."
-    return pd.read_parquet(Path(out) / STEPS_FILE)
 
 # %% ../nbs/38_confirm.ipynb #341fa1b5
 FINISHED = ("max_steps", "nan")

@@ -11,7 +11,8 @@ import matplotlib
 import matplotlib.pyplot as plt
 from .tracking import metrics_file, compact_metrics, METRICS_JSONL
 from .runs import (Run, load_run, write_synthetic_run, SYN_LAYERS, run_finished, read_json, read_yaml, find_writeups,
-                          find_sweeps, find_matrices, is_writeup, reuse_marker, load_runs, layer_formats_of)
+                          find_sweeps, find_matrices, is_writeup, reuse_marker, load_runs, layer_formats_of,
+                          has_run, read_config)
 
 # %% auto #0
 __all__ = ['SMOOTH_WINDOW', 'HEATMAP_PERCENTILE', 'AVG_STEPS', 'FIG_DPI', 'LAYER_GROUPS', 'MECHANISM_COLUMNS', 'MECHANISM_LABELS',
@@ -845,7 +846,8 @@ SWEEP_INPUTS = "sweep.json"   # optional: write_summary's arguments, if the swee
 
 def _match_reference(out: Path) -> Path | None:
     "The `_reference/*` run beside write-up `out` with the same model, batch, length, seed and learning rate."
-    cfg = read_yaml(out / "run" / "config.yaml")
+    try: cfg = read_config(out / "run")
+    except OSError: cfg = {}
     keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_steps", "seed", "lr")
     for d in sorted((out.parent / "_reference").glob("*")):
         rc = read_yaml(d / "config.yaml")
@@ -890,7 +892,7 @@ def summary_inputs(sweep_dir, unigram: float | None = None) -> tuple[dict | None
     names = [r["name"] for r in rows]
     args = read_json(d / SWEEP_INPUTS) or {}
     w = [n for n in names if is_writeup(d / n)]
-    lost = [n for n in w if metrics_file(d / n / "run") is None]
+    lost = [n for n in w if not has_run(d / n / "run")]
     if lost: return None, f"no metrics for {', '.join(lost)} (run folders without metrics.jsonl/metrics.parquet)"
     first = report_inputs(d / w[0]) if w else {}
     refs = sorted(x for x in (d / "_reference").iterdir() if x.is_dir())

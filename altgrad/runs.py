@@ -4,20 +4,22 @@
 
 # %% ../nbs/29_runs.ipynb #29a00003
 from __future__ import annotations
-import json, math
+import copy, fnmatch, json, math, os
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 from .config import RENAMED_KEYS
-from .tracking import (read_metrics, read_alerts, write_metrics_compact, encode_json,
-                              metrics_file, METRICS_JSONL, METRICS_COMPACT)
+from .tracking import (read_metrics, read_alerts, write_metrics_compact, encode_json, read_metrics_compact, same_records,
+                              metrics_file, METRICS_JSONL, METRICS_COMPACT, _column, _ABSENT, _META_KEY)
 
 # %% auto #0
-__all__ = ['ALERTS_JSONL', 'ALERTS_COMPACT', 'SYN_LAYERS', 'REUSED_FILE', 'Run', 'read_json', 'read_yaml', 'read_run_alerts',
-           'read_summary', 'current_keys', 'layer_formats_of', 'load_run', 'write_synthetic_run', 'run_finished',
-           'final_loss', 'is_writeup', 'is_sweep', 'find_writeups', 'find_sweeps', 'find_matrices', 'reuse_marker',
-           'load_runs']
+__all__ = ['ALERTS_JSONL', 'ALERTS_COMPACT', 'TABLE', 'TABLE_PARQUET', 'STEPS_FILE', 'DATASET_ALERTS', 'SYN_LAYERS',
+           'REUSED_FILE', 'DATASET_ZSTD_LEVEL', 'Run', 'read_json', 'read_yaml', 'read_run_alerts', 'read_summary',
+           'current_keys', 'layer_formats_of', 'load_run', 'read_table', 'read_steps', 'is_dataset', 'dataset_of',
+           'read_config', 'has_run', 'write_synthetic_run', 'run_finished', 'final_loss', 'is_writeup', 'is_sweep',
+           'find_writeups', 'find_sweeps', 'find_matrices', 'reuse_marker', 'load_runs', 'run_folders', 'write_dataset',
+           'packed_runs', 'unpack_dataset']
 
 # %% ../nbs/29_runs.ipynb #29a00006
 @dataclass
@@ -77,8 +79,10 @@ def read_run_alerts(run_dir) -> list[dict]:
     return read_alerts(d) if (d / ALERTS_JSONL).exists() or (d / ALERTS_COMPACT).exists() else []
 
 def read_summary(run_dir) -> dict | None:
-    "The trainer's `summary.json` of `run_dir`, or None when missing or unreadable (a run killed before it ended)."
+    """The trainer's `summary.json` of `run_dir` (else the summary of its dataset row, `dataset_of`), or None when missing
+    or unreadable (a run killed before it ended)."""
     s = read_json(Path(run_dir) / "summary.json")
+    if s is None and (hit := dataset_of(run_dir)) is not None: s = copy.deepcopy(_table(hit[0])[hit[1]].get("summary"))
     return s if isinstance(s, dict) else None
 
 def current_keys(cfg: dict) -> dict:
@@ -93,12 +97,89 @@ def layer_formats_of(cfg: dict) -> list:
     return current_keys(cfg).get("layer_formats") or []
 
 def load_run(run_dir) -> Run:
-    "Read a run folder written by `altgrad.trainer.Trainer` (metrics from `metrics.jsonl` or the compact `metrics.parquet`)."
+    """Read a run folder written by `altgrad.trainer.Trainer` (metrics from `metrics.jsonl` or the compact `metrics.parquet`),
+    or, where the folder holds no metrics, its row of the dataset above it (`dataset_of`; `write_dataset` packs one)."""
     d = Path(run_dir)
     if metrics_file(d) is None:
-        raise FileNotFoundError(f"{d} holds neither {METRICS_JSONL} nor {METRICS_COMPACT}: is it a run folder (the trainer's out_dir)?")
+        if (hit := dataset_of(d)) is not None: return _dataset_run(d, *hit)
+        raise FileNotFoundError(f"{d} holds neither {METRICS_JSONL} nor {METRICS_COMPACT}, and no dataset above it ({STEPS_FILE} + "
+                                f"{TABLE_PARQUET}) has a row for it: is it a run folder (the trainer's out_dir)?")
     return Run(d, read_metrics(d, merge=True), read_run_alerts(d), read_json(d / "summary.json", {}),
                current_keys(read_yaml(d / "config.yaml")), read_json(d / "histograms.json", {}))
+
+# %% ../nbs/29_runs.ipynb #29b00002
+TABLE, TABLE_PARQUET, STEPS_FILE, DATASET_ALERTS = "runs.json", "runs.parquet", "steps.parquet", "alerts.parquet"
+_CACHE: dict = {}                  # (kind, dataset folder) -> (the files' stamps, what was read)
+
+def read_table(out) -> dict:
+    """{run name: row} of the dataset folder `out`: its `runs.parquet` (`config`, `summary`, `histograms` stored as JSON
+    text) or else its `runs.json`; a row is `{'name', 'config', 'summary'[, 'histograms']}`. {} when there is neither."""
+    d = Path(out)
+    if (d / TABLE_PARQUET).exists():
+        import pyarrow.parquet as pq
+        return {r["name"]: {"name": r["name"], **{k: json.loads(v) for k, v in r.items() if k != "name" and v is not None}}
+                for r in pq.read_table(d / TABLE_PARQUET).to_pylist()}
+    p = d / TABLE
+    return {r["name"]: r for r in json.loads(p.read_text())} if p.exists() else {}
+
+def read_steps(out):
+    "The per-step columns of every run of the dataset folder `out` (`steps.parquet`), as a pandas DataFrame."
+    import pandas as pd
+    return pd.read_parquet(Path(out) / STEPS_FILE)
+
+def _cached(kind: str, folder: Path, files: tuple, read):
+    "`read(folder)`, read again only when one of `files` in `folder` changed (size or mtime)."
+    def stamp(n):
+        try: s = (folder / n).stat(); return (n, s.st_mtime_ns, s.st_size)
+        except OSError: return (n, None, None)
+    key, st = (kind, str(folder.resolve())), tuple(stamp(n) for n in files)
+    hit = _CACHE.get(key)
+    if hit is None or hit[0] != st: hit = _CACHE[key] = (st, read(folder))
+    return hit[1]
+
+def is_dataset(folder) -> bool:
+    "A dataset folder: holds `steps.parquet` and a table (`runs.parquet` or `runs.json`)."
+    f = Path(folder)
+    return (f / STEPS_FILE).is_file() and ((f / TABLE_PARQUET).is_file() or (f / TABLE).is_file())
+
+def _table(folder: Path) -> dict: return _cached("table", folder, (TABLE_PARQUET, TABLE), read_table)
+
+def _read_steps_records(folder: Path) -> dict:
+    "{row name: (metric records, alert records)} of a dataset folder (`steps.parquet`, `alerts.parquet`)."
+    out = {}
+    for f, i in ((STEPS_FILE, 0), (DATASET_ALERTS, 1)):
+        if (folder / f).exists():
+            for r in read_metrics_compact(folder / f): out.setdefault(r.pop("run"), ([], []))[i].append(r)
+    return out
+
+def dataset_of(run_dir, depth: int = 4) -> tuple[Path, str] | None:
+    """(dataset folder, row name) of the run `run_dir` in the dataset of a folder at most `depth` levels above it whose
+    table names it by its relative path; None when there is none."""
+    d = Path(run_dir)
+    for a in list(d.parents)[:depth]:
+        if is_dataset(a):
+            name = d.relative_to(a).as_posix()
+            if name in _table(a): return a, name
+    return None
+
+def _dataset_run(run_dir, folder: Path, name: str) -> Run:
+    "The `Run` of row `name` of the dataset in `folder` (fresh copies: a reader may change them), as if read from `run_dir`."
+    row = _table(folder)[name]
+    m, a = _cached("steps", folder, (STEPS_FILE, DATASET_ALERTS), _read_steps_records).get(name, ([], []))
+    return Run(Path(run_dir), [dict(r) for r in m], [dict(r) for r in a], copy.deepcopy(row.get("summary") or {}),
+               current_keys(copy.deepcopy(row.get("config") or {})), copy.deepcopy(row.get("histograms") or {}))
+
+def read_config(run_dir) -> dict:
+    "The config a run saved (`config.yaml`, else its dataset row), keys as written; FileNotFoundError when it has neither."
+    d = Path(run_dir)
+    if (d / "config.yaml").is_file() or (hit := dataset_of(d)) is None:
+        import yaml
+        return yaml.safe_load((d / "config.yaml").read_text()) or {}
+    return copy.deepcopy(_table(hit[0])[hit[1]].get("config") or {})
+
+def has_run(run_dir) -> bool:
+    "Whether `run_dir` holds a run's metrics, in its folder or as a row of the dataset above it."
+    return metrics_file(run_dir) is not None or dataset_of(run_dir) is not None
 
 # %% ../nbs/29_runs.ipynb #29a00011
 SYN_LAYERS = ["transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_proj"]
@@ -210,8 +291,8 @@ def final_loss(run: Run | None) -> float | None:
 REUSED_FILE = "reused.json"
 
 def is_writeup(d) -> bool:
-    "A write-up folder: holds the run folder `run/` (with its `config.yaml`)."
-    return (Path(d) / "run" / "config.yaml").exists()
+    "A write-up folder: holds the run folder `run/` (with its `config.yaml`), or its run is a row of a dataset above it."
+    return (Path(d) / "run" / "config.yaml").exists() or dataset_of(Path(d) / "run") is not None
 
 def is_sweep(d) -> bool:
     "A sweep folder: holds `_reference/` and the sweep's `summary.json`."
@@ -251,3 +332,98 @@ def load_runs(out, names: list[str]) -> dict:
         try: res[n] = load_run(Path(out) / (m["reused_from"] if m else n) / "run")
         except (OSError, ValueError, KeyError): res[n] = None
     return res
+
+# %% ../nbs/29_runs.ipynb #29b00004
+DATASET_ZSTD_LEVEL = 19
+
+def _write_records(records: list[dict], path: Path) -> Path:
+    """Write `records` to a zstd Parquet file at `path` (atomically) that `read_metrics_compact` reads back unchanged:
+    the columns of `write_metrics_compact`, floats byte-stream split (their exponent bytes compress), strings and
+    integers dictionary-encoded."""
+    import pyarrow as pa, pyarrow.parquet as pq
+    keys = list(dict.fromkeys(k for r in records for k in r))
+    cols, js = {}, []
+    for k in keys:
+        cols[k], is_json = _column([r.get(k, _ABSENT) for r in records])
+        if is_json: js.append(k)
+    t = pa.table(cols)
+    floats = [k for k in keys if pa.types.is_floating(t.schema.field(k).type)]
+    meta = dict(version=1, records=len(records), json=js, source_bytes=None)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with pq.ParquetWriter(tmp, t.schema, compression="zstd", compression_level=DATASET_ZSTD_LEVEL, write_statistics=False,
+                          use_dictionary=[k for k in keys if k not in floats] or False, use_byte_stream_split=floats or False,
+                          store_schema=False) as w:
+        w.write_table(t); w.add_key_value_metadata({_META_KEY: json.dumps(meta).encode()})
+    os.replace(tmp, path)
+    return path
+
+def run_folders(folder) -> list[Path]:
+    "Every run folder below `folder` (holding `config.yaml` and metrics), sorted; folders named `_*` or `.*` are skipped."
+    f = Path(folder)
+    return sorted(p.parent for p in f.rglob("config.yaml") if metrics_file(p.parent) is not None
+                  and not any(x.startswith(("_", ".")) for x in p.parent.relative_to(f).parts))
+
+def _same_run(a: Run, b: Run) -> bool:
+    "Same metrics, alerts, summary, config and histograms (NaN equal to NaN)."
+    js = lambda x: json.dumps(encode_json(x), sort_keys=True)
+    return (same_records(a.metrics, b.metrics) and same_records(a.alerts, b.alerts)
+            and all(js(getattr(a, k)) == js(getattr(b, k)) for k in ("summary", "config", "histograms")))
+
+def write_dataset(folder, runs=None, keep=None) -> dict:
+    """Pack the run folders `runs` (default `run_folders(folder)`) into the dataset of `folder` (`runs.parquet`,
+    `steps.parquet`, `alerts.parquet`); `keep`: glob patterns of the metric keys to keep (None: all). Every packed run is
+    read back and compared with its folder (the kept keys) before it returns `{'runs', 'packed', 'columns'}` (rows in the
+    dataset, rows packed now, metric columns of `steps.parquet`)."""
+    import pyarrow as pa, pyarrow.parquet as pq
+    f = Path(folder)
+    if (f / TABLE).exists(): raise ValueError(f"{f} holds a {TABLE} table (altgrad.confirm's): write_dataset writes {TABLE_PARQUET}; pack into another folder")
+    runs = run_folders(f) if runs is None else [Path(r) for r in runs]
+    bad = [str(r) for r in runs if f.resolve() not in Path(r).resolve().parents or metrics_file(r) is None]
+    if bad: raise ValueError(f"not run folders below {f} (a folder holding metrics.parquet or metrics.jsonl): {', '.join(bad[:5])}")
+    kept = lambda k: k == "step" or keep is None or any(fnmatch.fnmatchcase(k, p) for p in keep)
+    new = {}
+    for r in runs:
+        run = load_run(r)
+        run.metrics = [{k: v for k, v in m.items() if kept(k)} for m in run.metrics]
+        new[Path(r).resolve().relative_to(f.resolve()).as_posix()] = run
+    old_rows = _table(f) if is_dataset(f) else {}
+    old_steps = _cached("steps", f, (STEPS_FILE, DATASET_ALERTS), _read_steps_records) if old_rows else {}
+    names = sorted(set(old_rows) | set(new))
+    rows, steps, alerts = [], [], []
+    for n in names:
+        if n in new:
+            run = new[n]; cfg = read_config(run.dir)          # as written, not renamed
+            row, m, a = dict(name=n, config=cfg, summary=run.summary, histograms=run.histograms or None), run.metrics, run.alerts
+        else: row, (m, a) = old_rows[n], old_steps.get(n, ([], []))
+        rows.append({"name": n, **{k: None if row.get(k) is None else json.dumps(row[k]) for k in ("config", "summary", "histograms")}})
+        steps += [{"run": n, **x} for x in m]; alerts += [{"run": n, **x} for x in a]
+    f.mkdir(parents=True, exist_ok=True)
+    _write_records(steps, f / STEPS_FILE)
+    if alerts: _write_records(alerts, f / DATASET_ALERTS)
+    else: (f / DATASET_ALERTS).unlink(missing_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([(k, pa.string()) for k in ("name", "config", "summary", "histograms")])),
+                   f / TABLE_PARQUET, compression="zstd", compression_level=DATASET_ZSTD_LEVEL)
+    for kind in ("table", "steps"): _CACHE.pop((kind, str(f.resolve())), None)
+    differ = [n for n, run in new.items() if not _same_run(_dataset_run(run.dir, f, n), run)]
+    if differ: raise RuntimeError(f"{f}: {len(differ)} packed runs do not read back as their folders ({', '.join(differ[:3])}); please report this bug")
+    return dict(runs=len(names), packed=len(new), columns=len({k for m in steps for k in m}) - 1)
+
+def packed_runs(folder) -> list[str]:
+    "The rows of the dataset in `folder` whose run folder holds no metrics (read from the dataset alone)."
+    f = Path(folder)
+    return [n for n in _table(f) if metrics_file(f / n) is None] if is_dataset(f) else []
+
+def unpack_dataset(folder, names=None) -> list[Path]:
+    """Write the run folders of the dataset in `folder` back from its rows (`names`, default every packed row: `packed_runs`):
+    `config.yaml`, `summary.json`, the compact `metrics.parquet` and `alerts.parquet`, `histograms.json`. Returns the folders."""
+    import yaml
+    f, out = Path(folder), []
+    for n in (packed_runs(f) if names is None else names):
+        d = f / n; run = _dataset_run(d, f, n); d.mkdir(parents=True, exist_ok=True)
+        (d / "config.yaml").write_text(yaml.safe_dump(_table(f)[n].get("config") or {}, sort_keys=False))
+        (d / "summary.json").write_text(json.dumps(run.summary, indent=1))
+        write_metrics_compact(run.metrics, d / METRICS_COMPACT)
+        if run.alerts: write_metrics_compact(run.alerts, d / ALERTS_COMPACT)
+        if run.histograms: (d / "histograms.json").write_text(json.dumps(run.histograms))
+        out.append(d)
+    return out

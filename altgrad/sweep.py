@@ -12,7 +12,7 @@ import torch
 from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides, missing_keys
 from .formats import get_format, grid_equivalent, equivalent_formats
 from .regimes import UPDATE_RULES, get_rule
-from .runs import Run, load_run, read_summary, REUSED_FILE
+from .runs import Run, load_run, read_summary, read_config, dataset_of, REUSED_FILE
 from .report import run_summary, write_summary, short_layer, model_layers, nan_origin
 from .pool import JobsInterrupted, Job, run_pool, job_env, runs_on_cpu, one_thread
 
@@ -95,9 +95,13 @@ def train(cfg, overwrite: bool = False) -> dict:
 
 # %% ../nbs/31_sweep.ipynb #1bc6edce
 def saved_config(run_dir) -> TrainConfig:
-    "The run's `config.yaml` loaded through `TrainConfig` (keys added since it was written take their defaults)."
+    """The run's `config.yaml` (else the config of its row in the dataset above it, `altgrad.runs.dataset_of`) loaded
+    through `TrainConfig` (keys added since it was written take their defaults)."""
     p = Path(run_dir) / "config.yaml"
-    if not p.is_file(): raise ConfigError(f"{p} not found")
+    if not p.is_file():
+        if dataset_of(run_dir) is None: raise ConfigError(f"{p} not found")
+        raw = read_config(run_dir)
+        return load_config(raw.pop("preset", None), **raw)
     return load_config(p)
 
 def data_identity(data_dir) -> dict | None:
@@ -132,7 +136,7 @@ def config_reasons(run_dir, cfg) -> list[str]:
     with the default that reproduces what older runs did, `altgrad.config.missing_keys`), then `config_diff`."""
     d = Path(run_dir)
     try:
-        raw = yaml.safe_load((d / "config.yaml").read_text()) or {}
+        raw = read_config(d)                               # config.yaml, or the run's row of a dataset
         lacks = [k for k in missing_keys(raw) if not _ignored(k)]
         why = [f"config.yaml lacks {', '.join(lacks)} (written by older code; its defaults may not be what ran)"] if lacks else []
         return why + config_diff(saved_config(d), cfg)
