@@ -11,16 +11,16 @@ import numpy as np
 import pandas as pd
 from .config import load_config, TrainConfig, ConfigError
 from .regimes import get_rule
-from .runs import TABLE, STEPS_FILE, read_table, read_steps     # the study table: one row per run, per-step columns
+from .runs import TABLE, TABLE_PARQUET, STEPS_FILE, read_table, read_steps   # the study table: a row per run; per step
 from .sweep import check_run, config_diff
 from .study import claim_run, lr_scale_for, mult_label
 from .tracking import compact_run
 from .trainer import Trainer, run_state
 
 # %% auto #0
-__all__ = ['COLUMNS', 'FINISHED', 'Design', 'Spec', 'run_dir', 'trunk_checkpoint', 'spec_config', 'run_record', 'finished_runs',
-           'loss_or_inf', 'choose_mult', 'tuning_mults', 'cell_losses', 'choices', 'plan', 'todo', 'train', 'work',
-           'collect', 'pilot_summary', 'main']
+__all__ = ['COLUMNS', 'MEANS', 'FINISHED', 'Design', 'Spec', 'run_dir', 'trunk_checkpoint', 'spec_config', 'run_record',
+           'state_digest', 'finished_runs', 'endpoint', 'loss_or_inf', 'choose_mult', 'tuning_mults', 'cell_losses',
+           'choices', 'plan', 'todo', 'train', 'work', 'collect', 'write_table', 'pilot_summary', 'main']
 
 # %% ../nbs/38_confirm.ipynb #5d1e21aa
 @dataclass(frozen=True)
@@ -48,6 +48,11 @@ class Design:
     @property
     def grid_regimes(self) -> list: return [r for r in self.regimes if get_rule(r).master_weights == "format"]
     def to_dict(self) -> dict: return asdict(self)
+    @classmethod
+    def from_dict(cls, d: dict) -> Design:
+        "From `to_dict`'s output (JSON lists become tuples again)."
+        tup = lambda v: tuple(tup(x) for x in v) if isinstance(v, list) else v
+        return cls(**{k: tup(v) for k, v in d.items()})
 
 # %% ../nbs/38_confirm.ipynb #198c3f51
 @dataclass(frozen=True)
@@ -84,8 +89,9 @@ def spec_config(design: Design, spec: Spec, out, data_dir) -> TrainConfig:
                        checkpoint_interval=design.steps, init_from=str(trunk_checkpoint(out, spec, design)))
 
 # %% ../nbs/38_confirm.ipynb #97cb5029
-COLUMNS = {"train/loss": "train_loss", "val/loss": "val_loss", "train/lr": "lr", "lost_update/total": "lost_update",
-           "stall/total": "stall", "pred_stall/total": "pred_stall", "update_ratio/total": "update_ratio"}
+COLUMNS = {"train/loss": "train_loss", "val/loss": "val_loss"}          # per step, every run
+MEANS = {"lost_update/total": "lost_update", "pred_stall/total": "pred_stall", "stall/total": "stall",
+         "update_ratio/total": "update_ratio"}                           # per run: means over its own steps (a branch: 201-400)
 def run_record(d) -> tuple[dict, pd.DataFrame]:
     "A finished run folder as one table row (its resolved config and summary) and its per-step columns (`COLUMNS`)."
     d = Path(d)
@@ -96,7 +102,21 @@ def run_record(d) -> tuple[dict, pd.DataFrame]:
                           **{v: m[k].astype("float32") if k in m else np.float32("nan") for k, v in COLUMNS.items()}})
     keep = ("stopped_reason", "final_step", "max_steps", "final_val_loss", "final_train_loss", "first_nan_step", "step_time",
             "seconds", "init_step", "num_params")
-    return dict(name=d.name, config=cfg, summary={k: summ.get(k) for k in keep}), steps
+    means = {v: float(m[k].mean()) for k, v in MEANS.items() if k in m and m[k].notna().any()}
+    ck = sorted((d / "checkpoints").glob("step_*.pt"))
+    return dict(name=d.name, config=cfg, summary={k: summ.get(k) for k in keep}, means=means,
+                **({"digest": state_digest(ck[-1])} if ck else {})), steps
+
+def state_digest(path) -> str:
+    "sha256 of a checkpoint's model and optimizer tensors (a trunk's identity: a retrained trunk must reproduce it bit for bit)."
+    import hashlib, torch
+    st, h = torch.load(path, map_location="cpu", weights_only=False), hashlib.sha256()
+    for part in (st["model"], st["optimizer"]["state"]):
+        for k in sorted(part, key=str):
+            vals = part[k].values() if isinstance(part[k], dict) else [part[k]]
+            for v in vals:
+                if torch.is_tensor(v): h.update(str(k).encode()); h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 # %% ../nbs/38_confirm.ipynb #341fa1b5
@@ -108,10 +128,15 @@ def finished_runs(design: Design, out, data_dir, specs: list) -> dict:
     for s in specs:
         cfg, row = spec_config(design, s, out, data_dir), table.get(s.name)
         if row is not None and row["summary"]["stopped_reason"] in FINISHED and not config_diff(row["config"], cfg):
-            done[s.name] = row["summary"]["final_val_loss"]
+            done[s.name] = endpoint(row["summary"])
         elif (run_dir(out, s) / "summary.json").exists() and check_run(run_dir(out, s), cfg)[0] is not None:
-            done[s.name] = json.loads((run_dir(out, s) / "summary.json").read_text())["final_val_loss"]
-    return {k: (math.nan if v is None else v) for k, v in done.items()}
+            done[s.name] = endpoint(json.loads((run_dir(out, s) / "summary.json").read_text()))
+    return done
+
+def endpoint(summary: dict) -> float:
+    "A finished run's final validation loss; NaN when it stopped at a non-finite step (its last loss is of an earlier step)."
+    v = summary.get("final_val_loss")
+    return math.nan if summary.get("stopped_reason") == "nan" or v is None else v
 
 def loss_or_inf(v) -> float: return v if v is not None and math.isfinite(v) else math.inf
 
@@ -200,7 +225,11 @@ def train(design: Design, spec: Spec, out, data_dir) -> dict:
     "Train one run from scratch into its folder (a trunk keeps its checkpoint; a branch keeps only the compact record)."
     d, cfg = run_dir(out, spec), spec_config(design, spec, out, data_dir)
     if d.exists(): shutil.rmtree(d)
+    was = read_table(out).get(spec.name, {}).get("digest") if spec.regime is None else None
     summ = Trainer(cfg, progress=False).fit()
+    if was is not None and (now := state_digest(trunk_checkpoint(out, spec, design))) != was:
+        raise RuntimeError(f"{spec.name} retrained is not the trunk its committed branches started from (state sha256 {now[:12]} "
+                           f"here, {was[:12]} committed): this torch/CPU does not reproduce it; the study cannot continue here")
     compact_run(d, layers=False)
     for p in [d / "wandb", *([d / "checkpoints"] if spec.regime is not None else [])]:
         if p.is_dir(): shutil.rmtree(p)
@@ -215,7 +244,8 @@ def work(design: Design, out, data_dir, phases=("tuning", "heldout"), log=print)
         for s in specs:
             if s.regime is not None and not trunk_checkpoint(out, s, design).exists(): continue
             with claim_run(out, s.name) as mine:
-                if not mine or s.name in finished_runs(design, out, data_dir, [s]): continue
+                ready = trunk_checkpoint(out, s, design).exists() if s.regime is None else s.name in finished_runs(design, out, data_dir, [s])
+                if not mine or ready: continue                    # (a trunk in a fresh clone: finished, but its checkpoint is gone)
                 t = time.time(); summ = train(design, s, out, data_dir); n += 1
                 log(f"[confirm] {s.name}: {summ['stopped_reason']} at step {summ['final_step']}, val {summ['final_val_loss']} "
                     f"({time.time() - t:.0f} s; {len(specs) - 1} others to train)", flush=True)
@@ -238,10 +268,19 @@ def collect(out) -> dict:
     names = {s["run"].iat[0] for s in new_steps}
     parts = ([old[~old["run"].isin(names)]] if old is not None else []) + new_steps
     steps = pd.concat(parts, ignore_index=True).sort_values(["run", "step"], kind="stable") if parts else None
-    rows = [table[k] for k in sorted(table)]
-    (out / TABLE).write_text(json.dumps(rows, indent=0, sort_keys=True, default=str) + "\n")
+    write_table(out, [table[k] for k in sorted(table)])
     if steps is not None: steps.to_parquet(out / STEPS_FILE, compression="zstd", index=False)
-    return dict(runs=len(rows), folded=len(new_steps))
+    return dict(runs=len(table), folded=len(new_steps))
+
+def write_table(out, rows: list) -> Path:
+    "The table as `runs.parquet` (`runs.read_table`'s layout: one row per run, each part as JSON text, zstd); no runs.json."
+    import pyarrow as pa, pyarrow.parquet as pq
+    cols = sorted({k for r in rows for k in r} - {"name"})
+    t = pa.table({"name": [r["name"] for r in rows],
+                  **{c: [json.dumps(r[c], sort_keys=True) if c in r else None for r in rows] for c in cols}})
+    pq.write_table(t, Path(out) / TABLE_PARQUET, compression="zstd", compression_level=19)
+    (Path(out) / TABLE).unlink(missing_ok=True)
+    return Path(out) / TABLE_PARQUET
 
 # %% ../nbs/38_confirm.ipynb #b66358b6
 def pilot_summary(design: Design, done: dict, seconds: dict | None = None) -> dict:
@@ -256,8 +295,10 @@ def pilot_summary(design: Design, done: dict, seconds: dict | None = None) -> di
     sd = lambda v: float(np.std(v, ddof=1)) if len(v) > 1 else math.nan
     eff, s = float(np.mean(did)), sd(did)
     n80 = next((n for n in range(3, 65) if s > 0 and eff > 0 and power_paired(eff, s, n, alpha=0.10) >= 0.8), None)
+    n = len(design.heldout_units)
     return dict(regime=reg, benefit={f: dict(mean=float(np.mean(v)), sd=sd(v), values=v) for f, v in ben.items()},
                 contrast=f"{a} - {b}", did=dict(mean=eff, sd=s, values=did), units_for_80pct_power=n80,
+                power_at_heldout_units=dict(n=n, power=power_paired(eff, s, n, alpha=0.10) if s > 0 and eff > 0 else None),
                 trunk_val={Spec("pilot", f, u).name: done.get(Spec("pilot", f, u).name) for f in design.pilot_formats
                            for u in design.pilot_units})
 
@@ -266,7 +307,8 @@ def _workers(args, phases) -> int:
     "Start `--workers` one-thread worker processes on `phases` and wait for them."
     import subprocess, sys
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "altgrad.confirm", "work", "--out", args.out, "--data-dir", args.data_dir, "--phases", ",".join(phases)]
+    cmd = [sys.executable, "-m", "altgrad.confirm", "work", "--out", args.out, "--data-dir", args.data_dir, "--phases", ",".join(phases),
+           *(["--design", args.design] if args.design else [])]
     procs = [subprocess.Popen(cmd, env=env) for _ in range(args.workers)]
     return max(p.wait() for p in procs)
 
@@ -276,7 +318,9 @@ def main(argv=None) -> int:
     p.add_argument("command", choices=("pilot", "run", "work", "collect", "status"))
     p.add_argument("--out", default="outputs/confirm"); p.add_argument("--data-dir", default="outputs/confirm/_data/eurlex")
     p.add_argument("--workers", type=int, default=2); p.add_argument("--phases", default="tuning,heldout")
-    a = p.parse_args(argv); design = Design()
+    p.add_argument("--design", default=None, help="a JSON file of Design fields (default: the registered design)")
+    a = p.parse_args(argv)
+    design = Design.from_dict(json.loads(Path(a.design).read_text())) if a.design else Design()
     phases = {"pilot": ("pilot",), "run": ("tuning", "heldout")}.get(a.command, tuple(a.phases.split(",")))
     if a.command == "work":
         torch.set_num_threads(1); work(design, a.out, a.data_dir, phases); return 0

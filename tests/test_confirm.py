@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from altgrad.config import load_config
-from altgrad.confirm import Design, Spec, collect, finished_runs, plan, read_steps, read_table, run_dir, spec_config, todo, work
+from altgrad.confirm import (Design, Spec, collect, finished_runs, plan, read_steps, read_table, run_dir, spec_config, todo, work,
+                             write_table)
 from altgrad.trainer import Trainer
 
 TINY = Design(preset="smoke", steps=8, trunk_step=4, formats=("E6M1", "E7M0"), regimes=("nearest", "stochastic", "kahan", "eco"),
@@ -77,32 +78,50 @@ def test_tiny_study_workers_and_table(tmp_path, small_data, monkeypatch):
     assert len(said) == n, said                               # every run trained once, by one of the two workers
     assert collect(out) == dict(runs=n, folded=n)
     table, steps = read_table(out), read_steps(out)
+    fixed = read_table(FIXTURE)                               # trained by earlier code: the numerics have not moved since
+    assert {k: r["summary"]["final_val_loss"] for k, r in table.items()} == {k: r["summary"]["final_val_loss"] for k, r in fixed.items()}
+    assert {k: r.get("digest") for k, r in table.items()} == {k: r.get("digest") for k, r in fixed.items()}
     assert set(steps["run"]) == set(table) and len(steps) == 3 * 2 * (4 + 4 * 4)   # trunks: steps 1-4, branches: 5-8
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["runs.parquet", "steps.parquet"]
     row = table[Spec("heldout", "E7M0", (7, 8), "eco").name]
     assert row["config"]["weight_update"] == "eco" and row["summary"]["init_step"] == 4
+    assert set(row["means"]) >= {"lost_update", "stall"} and len(table["trunk-E7M0-i7-d8"]["digest"]) == 64
     shutil.rmtree(out / "runs")                               # a fresh clone: the table alone
     specs2, done2 = todo(TINY, out, data, ("tuning", "heldout"))
     assert specs2 == [] and done2 == done
     changed = dict(table); changed[row["name"]] = {**row, "config": {**row["config"], "lr": 0.5}}
-    (out / "runs.json").write_text(json.dumps(list(changed.values())))
+    write_table(out, list(changed.values()))
     specs3, _ = todo(TINY, out, data, ("tuning", "heldout"))
     assert [s.name for s in specs3] == ["trunk-E7M0-i7-d8", "E7M0-eco-x1-i7-d8"]   # a changed config trains again (its trunk first)
+    said = train_tiny(out, data)                              # the workers retrain the trunk (same digest), then the branch
+    assert sorted(l.split(":")[0] for l in said) == ["[confirm] E7M0-eco-x1-i7-d8", "[confirm] trunk-E7M0-i7-d8"], said
+    collect(out)
+    assert read_table(out)["trunk-E7M0-i7-d8"]["digest"] == table["trunk-E7M0-i7-d8"]["digest"]
+    assert read_table(out)[row["name"]]["summary"]["final_val_loss"] == row["summary"]["final_val_loss"]   # bit for bit
+    wrong = dict(read_table(out)); wrong["trunk-E6M1-i7-d8"] = {**wrong["trunk-E6M1-i7-d8"], "digest": "0" * 64}
+    write_table(out, [r for k, r in wrong.items() if k != "E6M1-eco-x1-i7-d8"])
+    shutil.rmtree(out / "runs")
+    with pytest.raises(RuntimeError, match="retrained is not the trunk its committed branches started from"):
+        work(TINY, out, data, log=lambda *a, **k: None)      # (in this process: the error itself is the point)
 
 
 def train_tiny(out, data) -> list:
-    "TINY trained by two worker threads sharing `out`; the workers' lines."
-    import threading
-    said = []
-    ts = [threading.Thread(target=work, args=(TINY, out, data), kwargs=dict(log=lambda *a, **k: said.append(a[0]))) for _ in range(2)]
-    for t in ts: t.start()
-    for t in ts: t.join()
-    return said
+    "TINY trained by two worker processes (`python -m altgrad.confirm work --design`) sharing `out`; the workers' lines."
+    import subprocess, sys
+    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    (out.parent / "tiny.json").write_text(json.dumps(TINY.to_dict()))
+    env = {**os.environ, "ALTGRAD_COMPILE": "never", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "altgrad.confirm", "work", "--out", str(out), "--data-dir", str(data), "--design", str(out.parent / "tiny.json")]
+    ps = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    res = [p.communicate(timeout=900) for p in ps]
+    assert all(p.returncode == 0 for p in ps), [e[-2000:] for _, e in res]
+    return [l for o, _ in res for l in o.splitlines() if l.startswith("[confirm]")]
 
 
 def test_answer_regenerates_from_fixture(tmp_path):
     "The answer of a committed tiny study is rewritten byte for byte from its table alone (no data, no training)."
     from altgrad.confirm_answer import write_answer
-    for f in ("runs.json", "steps.parquet"): shutil.copy(FIXTURE / f, tmp_path / f)
+    for f in ("runs.parquet", "steps.parquet"): shutil.copy(FIXTURE / f, tmp_path / f)
     A = write_answer(TINY, tmp_path)
     assert A["status"] == "complete" and A["units"] == [(7, 8), (9, 8)]
     for f in ("answer.md", "study.json"): assert (tmp_path / f).read_text() == (FIXTURE / f).read_text(), f
@@ -114,10 +133,10 @@ def test_answer_regenerates_from_fixture(tmp_path):
 if __name__ == "__main__":              # make the fixture: python tests/test_confirm.py DATA_DIR (a prepared EurLex folder)
     import sys, tempfile
     from altgrad.confirm_answer import write_answer
-    os.environ["ALTGRAD_COMPILE"] = "never"
     work_dir = Path(tempfile.mkdtemp()); os.chdir(work_dir)
     train_tiny(Path("study"), sys.argv[1]); collect("study")
     FIXTURE.mkdir(parents=True, exist_ok=True)
-    for f in ("runs.json", "steps.parquet"): shutil.copy(Path("study") / f, FIXTURE / f)
+    for f in ("runs.parquet", "steps.parquet"): shutil.copy(Path("study") / f, FIXTURE / f)
+    (FIXTURE / "runs.json").unlink(missing_ok=True)
     write_answer(TINY, FIXTURE); shutil.rmtree(FIXTURE / "figures")
     print(f"wrote {FIXTURE}")
