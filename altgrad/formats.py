@@ -237,7 +237,7 @@ def _tiny(fmt: FloatFormat) -> float:
 def _gaps(r, y, tiny, pos):
     "`r` for a format without a zero (`tiny` > 0, its smallest value) or without a sign (`pos`), of the input `y`."
     a = torch.where(r.abs() < tiny, tiny, r.abs())                          # no zero: up to the smallest value
-    r = torch.where(torch.signbit(r) & (pos == 0), -a, a)                   # unsigned: +0, never -0
+    r = torch.where(pos, a, torch.copysign(a, r)) if torch.is_tensor(pos) else a if pos else torch.copysign(a, r)
     return torch.where(((y == 0) & (tiny > 0)) | ((y < 0) & pos), math.nan, r)
 
 def quantize_integer(x: torch.Tensor, fmt, scale=1.0, rounding: str = "nearest", generator: torch.Generator | None = None) -> torch.Tensor:
@@ -264,45 +264,60 @@ def _kernel_params(fmt: FloatFormat) -> dict:
     hi = min(math.floor(math.log2(mx)) + 128, 231 + m)
     ovf = {"saturate": mx, "inf": math.inf, "nan": math.nan}[fmt.overflow]
     k = m - fmt.emin                                                      # 1/Q = 2^k, Q the lowest binades' quantum
+    fits = m <= 6 or (m == 7 and fmt.exp_bits == 0)                       # a/q + 1 < 2^8 (E0M7's a/q <= 254)
     return dict(lo=fmt.emin + 127, hi=hi, m=m, mx=mx, ovf=ovf, par=(fmt.bias + 1) & 1,
                 m0=(m == 0 and fmt.ties == "even"), tiny=_tiny(fmt), pos=not fmt.signed,
-                iq1=2.0 ** (k // 2), iq2=2.0 ** (k - k // 2))
+                iq1=2.0 ** (k // 2), iq2=2.0 ** (k - k // 2),
+                wide=not (fits and fmt.emin - m >= -104 and hi < 231 + m),         # FP16, BF16, UE8M0
+                gaps=not (fmt.signed and fmt.subnormals))                          # UE8M0, UE4M3
 
 def _round_bits(yb, m):
     "Float32 bit patterns `yb` rounded to `m` mantissa bits, ties to even (M = 0: up, as the `C` trick rounds them)."
     lsb = ((yb >> (23 - m)) & 1) | (m == 0)
     return ((yb + (1 << (22 - m)) - 1 + lsb) & -(1 << (23 - m))).view(torch.float32)
 
+# %% ../nbs/00_formats.ipynb #c92e6add
+def _sr_narrow(a, noise, lo, hi, m, mx):
+    "Stochastic rounding of magnitudes `a` with 23-bit `noise`, in 8.23 fixed point (M <= 6, quanta >= 2^-104)."
+    a = a.clamp(max=2 * mx)                                               # ±inf -> 2·max (overflows after)
+    be = _srl(a.view(torch.int32), 23).clamp(lo, hi)
+    q = ((be - m) << 23).view(torch.float32)                              # the quantum 2^(e-M)
+    n = (a * ((277 + m - be) << 23).view(torch.float32)).to(torch.int32)  # a/q in 8.23 fixed point, exact
+    return ((n + noise) >> 23).to(torch.float32) * q
+
+def _sr_wide(a, noise, lo, m, iq1, iq2):
+    "The same for every format: on the bit pattern in normal binades, from the exact a/Q in the lowest ones."
+    ab = a.view(torch.int32)
+    r = ((ab + (noise >> m)) & -(1 << (23 - m))).view(torch.float32)      # noise below the quantum, truncate
+    low = ((ab >> 23) < lo) | ((ab >> 23) == 0)                           # the lowest binades: quantum Q
+    u = torch.where(low, a, 0.0) * iq1 * iq2                              # a/Q, exact
+    i = u.to(torch.int32)
+    k = i + ((((u - i) * 2.0 ** 23).to(torch.int32) + noise) >> 23)
+    return torch.where(low, k.to(torch.float32) / iq1 / iq2, r)
+
 # %% ../nbs/00_formats.ipynb #0792b3b2
-def _kernel_nearest(x, s, lo, hi, m, mx, ovf, par, m0, tiny, pos, iq1, iq2):
+def _kernel_nearest(x, s, lo, hi, m, mx, ovf, par, m0, tiny, pos, iq1, iq2, wide, gaps):
     y = x.float() * s
     yb = y.view(torch.int32)
     be = _srl(yb, 23) & 0xFF                                              # biased exponent of y
     C = (((be.clamp(lo, hi) + (23 - m)) << 23) | 0x400000).view(torch.float32)
     r = (y + C) - C                                                       # the FPU rounds half to even
-    if torch.is_tensor(hi) or hi == 231 + m:                              # where C would overflow: round the bits
-        r = torch.where((be > 231 + m) & (be < 255), _round_bits(yb, m), r)
+    if wide: r = torch.where((be > 231 + m) & (be < 255), _round_bits(yb, m), r)   # where C would overflow
     if m0 is True or torch.is_tensor(m0):                                  # E7M0: ties to the even code
         tie = ((yb & 0x7FFFFF) == 0x400000) & (be >= lo) & (((be + par) & 1) == 0)
         if torch.is_tensor(m0): tie = tie & m0
         r = torch.where(tie, (yb & -0x800000).view(torch.float32), r)
     r = torch.copysign(torch.where(r.abs() > mx, torch.copysign(ovf, y), r), y)
-    if torch.is_tensor(pos) or pos or tiny > 0: r = _gaps(r, y, tiny, pos)
+    if gaps: r = _gaps(r, y, tiny, pos)
     return (r / s).to(x.dtype)
 
-def _kernel_stochastic(x, s, seed, lo, hi, m, mx, ovf, par, m0, tiny, pos, iq1, iq2):
+def _kernel_stochastic(x, s, seed, lo, hi, m, mx, ovf, par, m0, tiny, pos, iq1, iq2, wide, gaps):
     y = x.float() * s
-    a = y.abs(); ab = a.view(torch.int32)
     noise = _noise23(y, seed)
-    r = ((ab + (noise >> m)) & -(1 << (23 - m))).view(torch.float32)      # normal binades: noise below the quantum
-    low = ((ab >> 23) < lo) | ((ab >> 23) == 0)                           # the lowest binades: quantum Q
-    u = torch.where(low, a, 0.0) * iq1 * iq2                              # a/Q, exact
-    i = u.to(torch.int32)
-    k = i + ((((u - i) * 2.0 ** 23).to(torch.int32) + noise) >> 23)
-    r = torch.where(low, k.to(torch.float32) / iq1 / iq2, r)
+    r = _sr_wide(y.abs(), noise, lo, m, iq1, iq2) if wide else _sr_narrow(y.abs(), noise, lo, hi, m, mx)
     r = torch.where(r > mx, ovf, r)
     r = torch.where(y != y, y, torch.copysign(r, y))
-    if torch.is_tensor(pos) or pos or tiny > 0: r = _gaps(r, y, tiny, pos)
+    if gaps: r = _gaps(r, y, tiny, pos)
     return (r / s).to(x.dtype)
 
 # %% ../nbs/00_formats.ipynb #2f4a2c72
@@ -310,13 +325,14 @@ COMPILE_MIN_NUMEL = 1 << 14
 _compiled: dict = {}
 _compile_broken: list = []
 _param_cache: dict = {}
+_STATIC = ("wide", "gaps")     # Python bools even in the compiled path: a graph per value, without unused steps
 
 def _tensor_params(fmt: FloatFormat, device) -> dict:
     key = (fmt, str(device))
     if key not in _param_cache:
         p = _kernel_params(fmt)
         dt = lambda v: torch.bool if isinstance(v, bool) else torch.float32 if isinstance(v, float) else torch.int32
-        _param_cache[key] = {k: torch.tensor(v, device=device, dtype=dt(v)) for k, v in p.items()}
+        _param_cache[key] = {k: v if k in _STATIC else torch.tensor(v, device=device, dtype=dt(v)) for k, v in p.items()}
     return _param_cache[key]
 
 def compile_mode() -> str:
