@@ -332,7 +332,8 @@ def _tensor_params(fmt: FloatFormat, device) -> dict:
     if key not in _param_cache:
         p = _kernel_params(fmt)
         dt = lambda v: torch.bool if isinstance(v, bool) else torch.float32 if isinstance(v, float) else torch.int32
-        _param_cache[key] = {k: v if k in _STATIC else torch.tensor(v, device=device, dtype=dt(v)) for k, v in p.items()}
+        _param_cache[key] = {k: v if k in _STATIC else torch.tensor(v, device=device, dtype=dt(v))
+                             for k, v in p.items()}
     return _param_cache[key]
 
 def compile_mode() -> str:
