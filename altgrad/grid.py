@@ -147,9 +147,9 @@ def _ulp_toward(a, w, d, s, lo, m, mx):
     down = finer & (torch.sign(d) != torch.sign(w)) & (w != 0)
     return torch.where(down, up * 0.5, up) / s
 
-def _stats_kernel(wb, u, wa, s, prev, res, view_stall: bool, one, small, lo, hi, m, mx, ovf, par, m0):
+def _stats_kernel(wb, u, wa, s, prev, res, view_stall: bool, one, small, **p):
     "`update_stats`' elementwise work and sums in one pass (compiled): `(r, sums)`; the median of r is left to the caller."
-    p = dict(lo=lo, hi=hi, m=m, mx=mx, ovf=ovf, par=par, m0=m0)
+    lo, m, mx = p["lo"], p["m"], p["mx"]                                  # p: `formats._kernel_params`
     r = u.abs() / _ulp_toward(_kernel_nearest(wb * s, one, **p).abs(), wb, u, s, lo, m, mx)
     moved, dw = u != 0, wa - wb
     same = (_kernel_nearest(wb + u, s, **p) == _kernel_nearest(wb, s, **p)) if view_stall else (dw == 0)

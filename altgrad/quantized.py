@@ -10,8 +10,9 @@ from functools import lru_cache
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .formats import (COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_kernel, compile_mode, get_format, quantize, _draw_seed,
-                             _kernel_nearest, _kernel_stochastic, _tensor_params, _want_compiled)
+from .formats import (ALL_FORMATS, COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_kernel, compile_mode,
+                             get_format, quantize, _draw_seed, _kernel_nearest, _kernel_stochastic, _tensor_params,
+                             _want_compiled)
 from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale, scale_kernel
 from .diagnostics import bit_histogram, range_edges
 from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_distributed
@@ -42,13 +43,15 @@ def _lazy_load(module: nn.Module, state_dict: dict, prefix: str, names):
         if v is not None: setattr(module, n, torch.zeros(v.shape, dtype=v.dtype, device=getattr(module, n).device))
 
 def _fmt_spec(f: FP8Format) -> dict:
-    "A format as plain data (for checkpoints)."
-    return dict(name=f.name, exp_bits=f.exp_bits, man_bits=f.man_bits, bias=f.bias, special=f.special, overflow=f.overflow)
+    "A format as plain data (for checkpoints; the newer fields only where they differ from their defaults)."
+    d = dict(name=f.name, exp_bits=f.exp_bits, man_bits=f.man_bits, bias=f.bias, special=f.special, overflow=f.overflow)
+    more = [x.name for x in dataclasses.fields(f) if x.name not in d and getattr(f, x.name) != x.default]
+    return d | {k: getattr(f, k) for k in more}
 
 def _fmt_from_spec(d: dict) -> FP8Format:
     "Inverse of `_fmt_spec` (the registry's object when the format is registered)."
     f = FP8Format(**d)
-    reg = FORMAT_REGISTRY.get(f.name.upper())
+    reg = ALL_FORMATS.get(f.name.upper())
     return reg if reg == f else f
 
 @lru_cache(maxsize=None)
@@ -93,7 +96,7 @@ def _edges(fmt, device) -> tuple[torch.Tensor, torch.Tensor]:
         _edge_cache[key] = (torch.tensor(over, dtype=torch.float32, device=device), torch.tensor(tie_up, device=device))
     return _edge_cache[key]
 
-def _operand_kernel(x, hist, use_hist, given, use_given, target, prev, seed, over, tie_up, lo, hi, m, mx, ovf, par, m0):
+def _operand_kernel(x, hist, use_hist, given, use_given, target, prev, seed, over, tie_up, **p):
     """One operand's quantization with a per-tensor scale, in one pass: `(q, scale, counts, amax of x)`.
 
     The scale is `given` (`use_given`), or `scaling.scale_kernel` of the history's amax (`use_hist`; `hist` the whole
@@ -103,7 +106,6 @@ def _operand_kernel(x, hist, use_hist, given, use_given, target, prev, seed, ove
     ax = x.abs().amax()
     a = torch.where(use_hist, torch.where(torch.isfinite(hist), hist, torch.zeros_like(hist)).amax(dim=0), ax)
     s = torch.where(use_given, given, scale_kernel(a, target, prev)[0])
-    p = dict(lo=lo, hi=hi, m=m, mx=mx, ovf=ovf, par=par, m0=m0)
     q = _kernel_nearest(x, s, **p) if seed is None else _kernel_stochastic(x, s, seed, **p)
     return q, s, _count_kernel(x, q, s, over, tie_up), ax
 

@@ -36,13 +36,13 @@ DEV = os.environ.get("ALTGRAD_GPU_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEV.startswith("cuda") and not torch.cuda.is_available(), reason="needs CUDA")]
 
-from altgrad.formats import FORMAT_REGISTRY, E4M3_NAN, adversarial_inputs, quantize
+from altgrad.formats import ALL_FORMATS, FORMAT_REGISTRY, E4M3_NAN, adversarial_inputs, quantize
 from altgrad.scaling import AmaxHistory, amax_of, compute_scale, expand_scale, quantize_scaled
 from altgrad.grid import LANDINGS, RESIDUAL_DTYPES, land, regrid_scale, store_residual
 from altgrad import quantized as Q
 from altgrad.quantized import QuantizedLinear, TensorQuantizer, quantized_layers, saturating
 
-FORMATS = list(FORMAT_REGISTRY.values()) + [E4M3_NAN, saturating(FORMAT_REGISTRY["E5M2"])]
+FORMATS = list(ALL_FORMATS.values()) + [E4M3_NAN, saturating(FORMAT_REGISTRY["E5M2"])]   # every width (FP4 .. BF16)
 FMT_IDS = [f"{f.name}-{f.overflow}" for f in FORMATS]
 
 
