@@ -20,7 +20,7 @@ from .trainer import Trainer, run_state
 # %% auto #0
 __all__ = ['COLUMNS', 'MEANS', 'FINISHED', 'Design', 'Spec', 'run_dir', 'trunk_checkpoint', 'spec_config', 'run_record',
            'state_digest', 'finished_runs', 'endpoint', 'loss_or_inf', 'choose_mult', 'tuning_mults', 'cell_losses',
-           'choices', 'plan', 'todo', 'train', 'work', 'collect', 'write_table', 'pilot_summary', 'main']
+           'choices', 'plan', 'todo', 'train', 'work', 'collect', 'write_table', 'pilot_summary', 'ensure_data', 'main']
 
 # %% ../nbs/38_confirm.ipynb #5d1e21aa
 @dataclass(frozen=True)
@@ -303,6 +303,12 @@ def pilot_summary(design: Design, done: dict, seconds: dict | None = None) -> di
                            for u in design.pilot_units})
 
 # %% ../nbs/38_confirm.ipynb #464e4b0e
+def ensure_data(data_dir, max_docs: int | None = None, progress: bool = True) -> dict:
+    "The study's data folder, prepared from the shared EurLex sample (else the Hub) when it is not there yet; a no-op after."
+    from altgrad.data import prepare_eurlex, shared_data_dir
+    sd = shared_data_dir()
+    return prepare_eurlex(data_dir, source=(sd / "eurlex") if sd else None, max_docs=max_docs, progress=progress)
+
 def _workers(args, phases) -> int:
     "Start `--workers` one-thread worker processes on `phases` and wait for them."
     import subprocess, sys
@@ -324,7 +330,7 @@ def main(argv=None) -> int:
     phases = {"pilot": ("pilot",), "run": ("tuning", "heldout")}.get(a.command, tuple(a.phases.split(",")))
     if a.command == "work":
         torch.set_num_threads(1); work(design, a.out, a.data_dir, phases); return 0
-    if a.command in ("pilot", "run"): return _workers(a, phases)
+    if a.command in ("pilot", "run"): ensure_data(a.data_dir); return _workers(a, phases)
     if a.command == "collect": print(collect(a.out)); return 0
     specs, done = todo(design, a.out, a.data_dir, phases)
     print(json.dumps(dict(to_train=len(specs), finished=len(done)), indent=1)); return 0
