@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 import torch
 from .formats import FORMAT_REGISTRY, get_format, quantize
+from .microscaling import RECIPES, get_recipe, quantize_blocks
 from .pool import Job, run_pool, job_env, runs_on_cpu
 from .config import load_config, parse_overrides
 from .data import prepare_eurlex, shared_data_dir
@@ -17,9 +18,10 @@ from .trainer import Trainer, device_info
 
 
 # %% auto #0
-__all__ = ['COMPILE_PROBE', 'BYTES_PER_ELEMENT', 'DEFAULT_RULES', 'RULE_TARGETS', 'TRAIN_TARGET', 'PROFILE_REGIONS',
-           'time_side_by_side', 'bench_quantize', 'interleave_steps', 'bench_rules', 'unmet_goals', 'layer_time_share',
-           'bench_train', 'peak_matmul_tflops', 'mfu', 'run_wave', 'knee', 'bench_jobs', 'main']
+__all__ = ['COMPILE_PROBE', 'BYTES_PER_ELEMENT', 'BLOCK_TARGET', 'DEFAULT_RULES', 'RULE_TARGETS', 'TRAIN_TARGET',
+           'PROFILE_REGIONS', 'time_side_by_side', 'bench_quantize', 'bench_blocks', 'interleave_steps', 'bench_rules',
+           'unmet_goals', 'layer_time_share', 'bench_train', 'peak_matmul_tflops', 'mfu', 'run_wave', 'knee',
+           'bench_jobs', 'main']
 
 # %% ../nbs/27_bench.ipynb #ce63491f
 def time_side_by_side(fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 1,
@@ -75,6 +77,26 @@ def bench_quantize(numel: int = 16 * 2**20, formats=None, roundings=("nearest", 
 
 COMPILE_PROBE = 1 << 16
 BYTES_PER_ELEMENT = 8   # one float32 read and one float32 write: the memory floor of any elementwise pass (`clone` measures it)
+
+# %% ../nbs/27_bench.ipynb #756f72ef
+BLOCK_TARGET = 1.5      # goal: quantize_blocks over the tensor-wise quantize of the same element format (amax included)
+
+def bench_blocks(numel: int = 16 * 2**20, recipes=("mxfp8", "mxfp6", "mxfp4", "nvfp4"), repeats: int = 7,
+                 device: str | None = None, seed: int = 0) -> dict:
+    "Time `quantize_blocks` of each recipe against the tensor-wise `quantize` of its element format, side by side."
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    x = torch.randn(numel // 1024, 1024, generator=torch.Generator().manual_seed(seed)).to(device)
+    fns, compile_s = {}, {}
+    for n in recipes:
+        el = get_format(get_recipe(n).elem)
+        t = time.perf_counter(); quantize_blocks(x, n); compile_s[n] = round(time.perf_counter() - t, 2)
+        fns[f"{n}/tensor"] = lambda el=el: quantize(x, el, scale=el.max_value / x.abs().amax())
+        fns[n] = lambda n=n: quantize_blocks(x, n)
+    t = time_side_by_side(fns, repeats=repeats, sync=_sync_for(device))
+    ratios = {n: round(t[n] / t[f"{n}/tensor"], 3) for n in recipes}
+    return dict(benchmark="quantize_blocks", numel=x.numel(), **_env(device), repeats=repeats, first_call_seconds=compile_s,
+                seconds={k: float(f"{v:.4g}") for k, v in t.items()}, ratio_to_tensorwise=ratios,
+                target=BLOCK_TARGET, met=max(ratios.values()) <= BLOCK_TARGET)
 
 # %% ../nbs/27_bench.ipynb #14c5f372
 DEFAULT_RULES = ("nearest", "stochastic", "kahan", "madam_nearest", "lion_nearest")   # regimes.UPDATE_RULES names
@@ -260,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--repeats", type=int, default=7)
     q.add_argument("--device", default=None)
     q.add_argument("--eager", action="store_true", help="also time the eager (uncompiled) kernels")
+    q.add_argument("--blocks", default=None, metavar="RECIPE,...",
+                   help="also time block recipes against tensor-wise quantize (registered: " + ",".join(RECIPES) + ")")
     t = sub.add_parser("train", help="step time of an 8-bit run relative to the plain run of the same preset", parents=[strict])
     t.add_argument("--preset", default="cpu")
     t.add_argument("--fmt", default="E4M3")
@@ -286,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         try: fmts = [get_format(f.strip()).name for f in a.formats.split(",") if f.strip()]
         except ValueError as e: p.error(str(e))
         res = bench_quantize(a.numel, fmts, tuple(r.strip() for r in a.roundings.split(",")), a.repeats, a.device, a.eager)
+        if a.blocks:
+            try: recipes = [get_recipe(n.strip()).name for n in a.blocks.split(",") if n.strip()]
+            except KeyError as e: p.error(f"--blocks: {e.args[0]}")
+            res["blocks"] = bench_blocks(a.numel, recipes, a.repeats, a.device)
     elif a.what == "jobs":
         try: counts = [int(n) for n in a.jobs.split(",")]
         except ValueError: p.error(f"--jobs: comma-separated counts, got {a.jobs!r}")
