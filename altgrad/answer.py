@@ -14,12 +14,12 @@ from .report import fmt_num, precision_note, progress_lost
 from .runs import load_run, run_finished, final_loss
 from .stats import (finite, mean_of, mean_ci, paired_benefit, recovered_fraction, rank_by_benefit, ranking_text, overlaps, spearman, t_crit,
                            paired_test, holm, min_detectable_effect)
-from .law import law_text
-from .study import (CONTROL, UPPER, REF_PRECISIONS, STUDY_RULES, SEED_EXPECTATIONS, INPUTS_FILE, ANALYSIS_RULES, StudyPlan, RunSpec,
+from .law import law_text, law_fit, format_correlation
+from .study import (DECISIVE_RULES, CONTROL, UPPER, REF_PRECISIONS, STUDY_RULES, SEED_EXPECTATIONS, INPUTS_FILE, ANALYSIS_RULES, StudyPlan, RunSpec,
                            lr_specs, seed_specs, cell_specs, reference_spec, format_spec, run_dir,
                            mult_label, lr_scale_for, resolve_choice, model_inputs, json_safe, join_names,
                            Protocol, bracket_grids, decisive_lr_specs, decisive_seed_specs, decisive_choice, decisive_command)
-from .tracking import METRICS_COMPACT
+from .tracking import METRICS_COMPACT, write_metrics_compact
 
 # %% auto #0
 __all__ = ['MECH_KEYS', 'MECH_ALL', 'STUDY_COLUMNS', 'EXPECTATION_CHECKS', 'grid_rules', 'same_landing', 'mechanism_of',
@@ -164,7 +164,6 @@ def analyze(plan: StudyPlan, runs: dict, choice: dict, unigram: float | None, co
 def write_fake_run(d, loss: float | None, steps: int = 10, fmt: str | None = "E4M3", seed: int = 42, pred_stall: float = 0.5,
                    update_ratio: float = 0.4, precision: str = "auto", seconds: float = 1.0) -> Path:
     "A small finished run folder (for tests and examples): val/loss ends at `loss` (None: the run stopped at a NaN)."
-    from altgrad.tracking import write_metrics_compact
     import yaml
     d = Path(d); d.mkdir(parents=True, exist_ok=True)
     nan_at = None if loss is not None else steps // 2
@@ -832,7 +831,6 @@ def headline_record(cells: dict, head, grid_cells: list, m: int) -> dict | None:
 
 def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: dict | None, unigram, conf: float = 0.95) -> dict:
     "Every number of a decisive study's write-up from `{run name: Run or None}` (`study.json`'s content)."
-    from altgrad.law import law_fit, format_correlation
     tune, held = _decisive_specs(plan, proto, grids, choice)
     recs = {sp.name: run_record(sp, runs.get(sp.name)) for sp in tune + held}
     missing = [n for n, x in recs.items() if x["missing"]]
@@ -1029,7 +1027,6 @@ def decisive_protocol_section(st: dict, inputs: dict) -> list[str]:
 
 def _protocol_extras(st: dict, inputs: dict) -> list[str]:
     "The vocabulary, the analysis rules fixed in the study's inputs, and the default regimes this study did not run."
-    from altgrad.study import DECISIVE_RULES
     v = inputs.get("vocab") or st.get("vocab") or {}
     cov = (v.get("coverage") or {}).get("val")
     L = [f"- **Vocabulary**: {v['name']}" + (f", {v['size']:,} classes" if v.get("size") else "")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 import yaml
 import torch
+from .formats import get_format
 
 # %% auto #0
 __all__ = ['KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS', 'ConfigError', 'TrainConfig',
@@ -209,10 +210,8 @@ def _coerce(key: str, value, tp):
 
 # %% ../nbs/05_config.ipynb #de473e73
 def _check_format(key: str, name) -> str | None:
-    "Error message if `name` is not a registered 8-bit format (skipped while `altgrad.formats` is unavailable)."
+    "Error message if `name` is not a registered 8-bit format."
     if not isinstance(name, str): return f"{key} must be a format name (str), got {name!r}"
-    try: from altgrad.formats import get_format
-    except ImportError: return None
     try: get_format(name)
     except ValueError as e: return f"{key}={name!r}: {e}"
     return None

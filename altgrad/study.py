@@ -11,13 +11,17 @@ from pathlib import Path
 import numpy as np
 from .config import load_config, ConfigError, check_keys, PRESETS
 from .formats import get_format, grid_equivalent, FORMAT_REGISTRY
+from .data import unigram_baseline, data_for_vocab, vocab_info
+from .model import GPT, GPTConfig
+from .checkpoint import atomic_write_text
 from .optim import default_lr_scale
 from .regimes import get_rule, UPDATE_RULES
 from .runs import final_loss
 from .stats import finite
 from .tracking import compact_run, metrics_file
 from .trainer import Trainer, run_state, move_to_previous
-from .sweep import portable, check_run, config_diff, resolve_preset, saved_config
+from .runs import check_run, same_config, load_run
+from .sweep import portable, resolve_preset
 
 # %% auto #0
 __all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER', 'REF_PRECISIONS', 'SEED_EXPECTATIONS',
@@ -227,9 +231,7 @@ def spec_config(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: 
 
 def resumable(d, cfg) -> bool:
     "Does `d` hold an interrupted run of `cfg` (the trainer's `run_state`: unfinished, with a checkpoint) that the trainer can continue?"
-    if run_state(d)[0] != "interrupted": return False
-    try: return not config_diff(saved_config(d), cfg)
-    except (ConfigError, OSError, ValueError): return False
+    return run_state(d)[0] == "interrupted" and same_config(d, cfg)
 
 def finalize_run(d) -> Path:
     """A finished run folder made complete and light: the compact run format read through totals only
@@ -428,7 +430,6 @@ def regenerate_command(plan: StudyPlan | dict, out, data_dir: str | None = None)
 def model_inputs(plan: StudyPlan) -> dict:
     "The model's shape, its parameter count, the parameters on the 8-bit grid and the tokens per run (no weights built)."
     import torch
-    from altgrad.model import GPT, GPTConfig
     cfg = load_config(plan.preset, **plan.overrides)
     with torch.device("meta"):
         m = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
@@ -444,7 +445,6 @@ def model_inputs(plan: StudyPlan) -> dict:
 def vocab_inputs(plan: StudyPlan, data) -> dict:
     """The vocabulary the study's model predicts (name, size, coverage) and the unigram baseline *on that vocabulary*
     (a compact top-K vocabulary has its own, lower baseline: the loss and the baseline must be on the same classes)."""
-    from altgrad.data import unigram_baseline, data_for_vocab, vocab_info
     d = data_for_vocab(data, load_config(plan.preset, **plan.overrides).vocab_size)
     return dict(unigram=unigram_baseline(d), vocab=vocab_info(d))
 
@@ -591,7 +591,6 @@ def write_decisive_inputs(out, plan: StudyPlan, proto: Protocol, data, data_dir,
 
 def _merge_inputs(p: Path, inputs: dict, choice, step_seconds) -> Path:
     "Write `inputs` to `p`, keeping a learning-rate choice (and step times) already there; refuse a different choice."
-    from altgrad.checkpoint import atomic_write_text
     old = json.loads(p.read_text()) if p.exists() else {}
     if old.get("lr_choice") is not None:
         if choice is not None and json_safe(old["lr_choice"]["mults"]) != json_safe(choice["mults"]):
@@ -655,7 +654,6 @@ def estimate_text(e: dict) -> str:
 def measure_step_seconds(plan: StudyPlan, data_dir: str, steps: int = 8, fmt: str = "E4M3") -> dict:
     "Median step seconds of each regime (on `fmt`) and of both references: `steps`-step runs in a temporary folder."
     import tempfile
-    from altgrad.runs import load_run
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         short = dataclasses.replace(plan, steps=steps)

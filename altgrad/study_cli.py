@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse, json, sys, time
 from pathlib import Path
 from .config import ConfigError, parse_overrides, load_config
-from .runs import final_loss, read_summary
+from .runs import final_loss
 from .trainer import Interrupted
-from .sweep import check_run, ensure_data, resolve_preset, FINISHED, portable
+from .runs import check_run, run_status, DONE
+from .sweep import ensure_data, resolve_preset, portable
 from .pool import Job, JobsInterrupted, run_pool, job_env, runs_on_cpu, one_thread
 from .study import (DISTINCT_FORMATS, STUDY_RULES, StudyPlan, Protocol, make_plan, parse_shard, shard_specs, lr_specs,
                            seed_specs, run_dir, spec_config, execute, collect_runs, resolve_choice, write_lr_choice, write_inputs,
@@ -176,7 +177,7 @@ def finished_runs(out, seen: set | None = None) -> int:
     seen = set() if seen is None else seen
     for p in (Path(out) / "runs").glob("*/summary.json"):
         if p.parent.name in seen: continue
-        if (read_summary(p.parent) or {}).get("stopped_reason") in FINISHED: seen.add(p.parent.name)
+        if run_status(p.parent) in DONE: seen.add(p.parent.name)
     return len(seen)
 
 def shard_commands(argv, n: int) -> list[list[str]]:
