@@ -294,7 +294,7 @@ def run_status(run) -> str:
     else: s = run if isinstance(run, dict) or run is None else read_summary(run)
     if not isinstance(s, dict): return "incomplete"
     why = s.get("stopped_reason")
-    if why == "max_steps": return "finished" if s.get("max_steps") is not None and s.get("final_step") == s.get("max_steps") else "incomplete"
+    if why == "max_steps": return "finished" if s.get("final_step") == s.get("max_steps") else "incomplete"
     return {"nan": "stopped", "interrupted": "interrupted"}.get(why, "incomplete")
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 import torch
-from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides
+from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides, research_choices
 from .formats import get_format, grid_equivalent, equivalent_formats
 from .data import prepare_eurlex, shared_data_dir, load_meta, unigram_baseline
 from .optim import default_lr_scale
@@ -21,18 +21,19 @@ from .pool import JobsInterrupted, Job, run_pool, job_env, runs_on_cpu, one_thre
 from .matrix import write_matrix
 
 # %% auto #0
-__all__ = ['SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'WRITEUP_FILES', 'NOTEBOOK_OVERRIDE_PARAMS',
-           'resolve_preset', 'run_name', 'reference_overrides', 'reference_dir', 'ensure_data', 'train', 'RunConflict',
-           'run_plan', 'job_plan', 'reference_config', 'reference_conflict', 'reference_run', 'format_config',
-           'grid_key', 'set_aside', 'reuse_note', 'mark_reused', 'RetryRefused', 'hot_layers', 'retry_layout',
-           'find_notebook', 'portable', 'notebook_params', 'run_notebook', 'check_overrides', 'settings_note',
-           'sweep_setup', 'refuse_conflicts', 'run_sweep', 'conflict_message', 'grid_rules', 'update_rule_overrides',
-           'matrix_note', 'sweep_cli', 'train_format', 'pool_plan', 'retry_specs', 'sweep_job', 'sweep_on_cpu',
-           'train_concurrently']
+__all__ = ['RETRIES', 'SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'WRITEUP_FILES',
+           'NOTEBOOK_OVERRIDE_PARAMS', 'resolve_preset', 'run_name', 'reference_overrides', 'reference_dir',
+           'ensure_data', 'train', 'RunConflict', 'run_plan', 'job_plan', 'reference_config', 'reference_conflict',
+           'reference_run', 'format_config', 'grid_key', 'set_aside', 'reuse_note', 'mark_reused', 'RetryRefused',
+           'hot_layers', 'retry_layout', 'find_notebook', 'portable', 'notebook_params', 'run_notebook',
+           'check_overrides', 'settings_note', 'sweep_setup', 'refuse_conflicts', 'run_sweep', 'conflict_message',
+           'grid_rules', 'update_rule_overrides', 'matrix_note', 'sweep_cli', 'train_format', 'pool_plan',
+           'retry_specs', 'sweep_job', 'sweep_on_cpu', 'train_concurrently']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
-SEED_ORDER = ["E5M2", "E3M4", "E1M6", "E7M0", "E0M7", "E4M3"]
-POST_LN_LAYER_FORMATS = [["*.attn.c_attn", "E1M6"], ["*.mlp.c_fc", "E1M6"], ["*", None]]
+RETRIES = research_choices()["retries"]                     # per-format retry policies (altgrad/research.yaml)
+SEED_ORDER = research_choices()["run_order"]
+POST_LN_LAYER_FORMATS = RETRIES["E1M6"]["layer_formats"]    # the E1M6 retry's layout (named by tests and tools)
 NOT_IN_REFERENCE = ("fmt", "fmt_backward", "scaling", "granularity", "block_size_q", "amax_history_len", "amax_algo",
                     "master_weights", "quantize_grads", "rounding", "margin", "weight_update", "residual_dtype", "layer_formats",
                     "interventions", "stop_on_nan", "shadow", "optimizer")
@@ -239,7 +240,7 @@ def retry_layout(fmt: str, run_dir, n_layer: int | None = None, min_8bit: float 
     "(tag, layer_formats) of the retry of a failed uniform run of `fmt`; `RetryRefused` when under `min_8bit` of the linear layers would stay 8-bit."
     run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
     fmt = get_format(fmt).name
-    if fmt == "E1M6": tag, layout = "postln", POST_LN_LAYER_FORMATS
+    if fmt in RETRIES: tag, layout = RETRIES[fmt]["tag"], RETRIES[fmt]["layer_formats"]
     else:
         hot = hot_layers(run)
         if not hot:
