@@ -13,7 +13,7 @@ from .config import load_config, TrainConfig
 from .data import prepare_eurlex, shared_data_dir
 from .regimes import get_rule
 from .runs import TABLE, TABLE_PARQUET, STEPS_FILE, read_table, read_steps   # the study table: a row per run; per step
-from .runs import check_run, config_diff, run_status, DONE
+from .runs import check_run, config_diff, read_summary, run_status, DONE
 from .stats import power_paired
 from .study import claim_run, lr_scale_for, mult_label
 from .tracking import compact_run
@@ -98,7 +98,7 @@ def run_record(d) -> tuple[dict, pd.DataFrame]:
     "A finished run folder as one table row (its resolved config and summary) and its per-step columns (`COLUMNS`)."
     d = Path(d)
     cfg = load_config(d / "config.yaml").to_dict()
-    summ = json.loads((d / "summary.json").read_text())
+    summ = read_summary(d)
     m = pd.read_parquet(d / "metrics.parquet")
     steps = pd.DataFrame({"run": d.name, "step": m["step"].astype("int32"),
                           **{v: m[k].astype("float32") if k in m else np.float32("nan") for k, v in COLUMNS.items()}})
@@ -129,8 +129,8 @@ def finished_runs(design: Design, out, data_dir, specs: list) -> dict:
         cfg, row = spec_config(design, s, out, data_dir), table.get(s.name)
         if row is not None and run_status(row["summary"]) in DONE and not config_diff(row["config"], cfg):
             done[s.name] = endpoint(row["summary"])
-        elif (run_dir(out, s) / "summary.json").exists() and check_run(run_dir(out, s), cfg)[0] is not None:
-            done[s.name] = endpoint(json.loads((run_dir(out, s) / "summary.json").read_text()))
+        elif (run_dir(out, s) / "summary.json").exists() and (run := check_run(run_dir(out, s), cfg)[0]) is not None:
+            done[s.name] = endpoint(run.summary)
     return done
 
 def endpoint(summary: dict) -> float:
