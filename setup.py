@@ -35,7 +35,7 @@ setuptools.setup(
     url=cfg["git_url"],
     packages=setuptools.find_packages(include=["altgrad", "altgrad.*"]),
     include_package_data=True,
-    package_data={"altgrad": ["presets/*.yaml"]},
+    package_data={"altgrad": ["presets/*.yaml", "research.yaml"]},
     install_requires=requirements,
     extras_require={"dev": dev_requirements},
     python_requires=">=" + min_python,

@@ -14,6 +14,7 @@ from .pool import Job, run_pool, job_env, runs_on_cpu
 from .config import load_config, parse_overrides
 from .data import prepare_eurlex, shared_data_dir
 from .regimes import UPDATE_RULES
+from .runs import read_summary
 from .trainer import Trainer, device_info
 
 
@@ -243,7 +244,7 @@ def run_wave(n: int, preset: str, data_dir, out, steps: int, overrides: dict | N
     wall = time.perf_counter() - t0
     if bad := [str(j.log) for j in jobs if codes.get(j.id) != 0]:
         raise RuntimeError(f"run_wave: {len(bad)} of {n} runs failed; see {', '.join(bad)}")
-    st = [json.loads((d / "summary.json").read_text())["step_time"] for d in dirs]
+    st = [read_summary(d)["step_time"] for d in dirs]
     return dict(jobs=n, wall_s=round(wall, 2), step_time=round(statistics.median(st), 5),
                 steps_per_s=round(n * steps / wall, 3))
 
@@ -261,7 +262,7 @@ def bench_jobs(preset: str = "gpu", jobs=(1, 2, 4, 8), steps: int = 200, data_di
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = str(data_dir) if data_dir else _bench_data(tmp)
         curve = [run_wave(n, preset, data_dir, Path(tmp) / "runs", steps, overrides, cpu) for n in jobs]
-        device = json.loads(next((Path(tmp) / "runs").glob("*/summary.json")).read_text())["device"]
+        device = read_summary(next((Path(tmp) / "runs").glob("*/summary.json")).parent)["device"]
     for w in curve:
         w["fixed_s"] = round(max(w["wall_s"] - steps * w["step_time"], 0.0), 2)           # start-up, evals, checkpoints, exit
         w["runs_per_hour_at_full_length"] = round(3600 * w["jobs"] / (w["fixed_s"] + full * w["step_time"]), 2)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from fastcore.basics import patch
-from .tracking import notice
+from .notice import notice
 
 # %% auto #0
 __all__ = ['INDEX_NAME', 'BEST_NAME', 'atomic_save', 'atomic_write_text', 'is_temp_file', 'capture_rng_state',

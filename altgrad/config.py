@@ -9,11 +9,13 @@ from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 import yaml
 import torch
+from .formats import get_format
 
 # %% auto #0
-__all__ = ['KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS', 'ConfigError', 'TrainConfig',
-           'renamed_keys', 'missing_keys', 'config_keys_help', 'check_keys', 'preset_path', 'load_config',
-           'parse_value', 'parse_overrides', 'save_config', 'resolve_device', 'autocast_dtype']
+__all__ = ['KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS', 'RESEARCH_KEYS', 'ConfigError',
+           'TrainConfig', 'renamed_keys', 'missing_keys', 'config_keys_help', 'check_keys', 'preset_path',
+           'load_config', 'parse_value', 'parse_overrides', 'save_config', 'resolve_device', 'autocast_dtype',
+           'research_choices']
 
 # %% ../nbs/05_config.ipynb #0c920285
 class ConfigError(ValueError):
@@ -209,10 +211,8 @@ def _coerce(key: str, value, tp):
 
 # %% ../nbs/05_config.ipynb #de473e73
 def _check_format(key: str, name) -> str | None:
-    "Error message if `name` is not a registered 8-bit format (skipped while `altgrad.formats` is unavailable)."
+    "Error message if `name` is not a registered 8-bit format."
     if not isinstance(name, str): return f"{key} must be a format name (str), got {name!r}"
-    try: from altgrad.formats import get_format
-    except ImportError: return None
     try: get_format(name)
     except ValueError as e: return f"{key}={name!r}: {e}"
     return None
@@ -465,3 +465,22 @@ def autocast_dtype(cfg: TrainConfig, device: str | torch.device) -> torch.dtype 
     if cfg.precision == "bf16": return torch.bfloat16
     if cfg.precision == "auto" and dev == "cuda": return torch.bfloat16
     return None
+
+# %% ../nbs/05_config.ipynb #586af950
+RESEARCH_KEYS = ("run_order", "expectations", "retries")
+
+def research_choices(path=None) -> dict:
+    "The research choices of `altgrad/research.yaml` (or `path`): `run_order`, `expectations`, `retries` (see the file)."
+    import altgrad
+    p = Path(path) if path else Path(altgrad.__file__).parent / "research.yaml"
+    d = _read_yaml(p)
+    if not isinstance(d, dict): raise ConfigError(f"{p}: expected a mapping with keys {', '.join(RESEARCH_KEYS)}")
+    miss = [k for k in RESEARCH_KEYS if k not in d]
+    if miss: raise ConfigError(f"{p} lacks {', '.join(miss)}: add them (see altgrad/research.yaml in the package)")
+    bad = [str(e) for e in d["expectations"] if not (isinstance(e, dict) and set(e) == {"fmt", "claim"})]
+    if bad: raise ConfigError(f"{p}: each expectation is {{fmt: FORMAT, claim: CLAIM}}, got {', '.join(bad)}")
+    bad = [f for f, r in (d["retries"] or {}).items() if not (isinstance(r, dict) and set(r) == {"tag", "layer_formats"})]
+    if bad: raise ConfigError(f"{p}: retries of {', '.join(bad)} need exactly `tag` and `layer_formats`")
+    for f in [*d["run_order"], *(e["fmt"] for e in d["expectations"]), *(d["retries"] or {})]:
+        if (msg := _check_format(f"{p.name} format", f)): raise ConfigError(f"{p}: {msg}")
+    return dict(run_order=list(d["run_order"]), expectations=[dict(e) for e in d["expectations"]], retries=dict(d["retries"] or {}))

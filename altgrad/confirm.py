@@ -9,18 +9,20 @@ from dataclasses import dataclass, asdict, field
 from pathlib import Path
 import numpy as np
 import pandas as pd
-from .config import load_config, TrainConfig, ConfigError
+from .config import load_config, TrainConfig
+from .data import prepare_eurlex, shared_data_dir
 from .regimes import get_rule
 from .runs import TABLE, TABLE_PARQUET, STEPS_FILE, read_table, read_steps   # the study table: a row per run; per step
-from .sweep import check_run, config_diff
+from .runs import check_run, config_diff, read_summary, run_status, DONE
+from .stats import power_paired
 from .study import claim_run, lr_scale_for, mult_label
 from .tracking import compact_run
-from .trainer import Trainer, run_state
+from .trainer import Trainer
 
 # %% auto #0
-__all__ = ['COLUMNS', 'MEANS', 'FINISHED', 'Design', 'Spec', 'run_dir', 'trunk_checkpoint', 'spec_config', 'run_record',
-           'state_digest', 'finished_runs', 'endpoint', 'loss_or_inf', 'choose_mult', 'tuning_mults', 'cell_losses',
-           'choices', 'plan', 'todo', 'train', 'work', 'collect', 'write_table', 'pilot_summary', 'ensure_data', 'main']
+__all__ = ['COLUMNS', 'MEANS', 'Design', 'Spec', 'run_dir', 'trunk_checkpoint', 'spec_config', 'run_record', 'state_digest',
+           'finished_runs', 'endpoint', 'loss_or_inf', 'choose_mult', 'tuning_mults', 'cell_losses', 'choices', 'plan',
+           'todo', 'train', 'work', 'collect', 'write_table', 'pilot_summary', 'ensure_data', 'main']
 
 # %% ../nbs/38_confirm.ipynb #5d1e21aa
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def run_record(d) -> tuple[dict, pd.DataFrame]:
     "A finished run folder as one table row (its resolved config and summary) and its per-step columns (`COLUMNS`)."
     d = Path(d)
     cfg = load_config(d / "config.yaml").to_dict()
-    summ = json.loads((d / "summary.json").read_text())
+    summ = read_summary(d)
     m = pd.read_parquet(d / "metrics.parquet")
     steps = pd.DataFrame({"run": d.name, "step": m["step"].astype("int32"),
                           **{v: m[k].astype("float32") if k in m else np.float32("nan") for k, v in COLUMNS.items()}})
@@ -120,17 +122,15 @@ def state_digest(path) -> str:
 
 
 # %% ../nbs/38_confirm.ipynb #341fa1b5
-FINISHED = ("max_steps", "nan")
-
 def finished_runs(design: Design, out, data_dir, specs: list) -> dict:
     "{name: final validation loss (NaN for a run stopped at a non-finite step)} of the `specs` finished in `out`, by config."
     table, done = read_table(out), {}
     for s in specs:
         cfg, row = spec_config(design, s, out, data_dir), table.get(s.name)
-        if row is not None and row["summary"]["stopped_reason"] in FINISHED and not config_diff(row["config"], cfg):
+        if row is not None and run_status(row["summary"]) in DONE and not config_diff(row["config"], cfg):
             done[s.name] = endpoint(row["summary"])
-        elif (run_dir(out, s) / "summary.json").exists() and check_run(run_dir(out, s), cfg)[0] is not None:
-            done[s.name] = endpoint(json.loads((run_dir(out, s) / "summary.json").read_text()))
+        elif (run_dir(out, s) / "summary.json").exists() and (run := check_run(run_dir(out, s), cfg)[0]) is not None:
+            done[s.name] = endpoint(run.summary)
     return done
 
 def endpoint(summary: dict) -> float:
@@ -262,7 +262,7 @@ def collect(out) -> dict:
     new_steps = []
     for d in sorted((out / "runs").glob("*/summary.json")):
         d = d.parent
-        if json.loads((d / "summary.json").read_text()).get("stopped_reason") not in FINISHED or not (d / "metrics.parquet").exists(): continue
+        if run_status(d) not in DONE or not (d / "metrics.parquet").exists(): continue
         row, steps = run_record(d)
         table[row["name"]] = row; new_steps.append(steps)
     names = {s["run"].iat[0] for s in new_steps}
@@ -286,7 +286,6 @@ def write_table(out, rows: list) -> Path:
 def pilot_summary(design: Design, done: dict, seconds: dict | None = None) -> dict:
     """The pilot's paired benefit (control - regime at x1, per unit) per format, its SD, the difference of the two formats'
     benefits per unit (the H3 contrast) and its SD, and the held-out units that give H3 80% power at that effect and SD."""
-    from altgrad.stats import power_paired
     reg = [r for r in design.pilot_regimes if r != design.control][0]
     def loss(f, u, r): return done.get(Spec("pilot", f, u, r).name, math.nan)
     ben = {f: [loss(f, u, design.control) - loss(f, u, reg) for u in design.pilot_units] for f in design.pilot_formats}
@@ -305,7 +304,6 @@ def pilot_summary(design: Design, done: dict, seconds: dict | None = None) -> di
 # %% ../nbs/38_confirm.ipynb #464e4b0e
 def ensure_data(data_dir, max_docs: int | None = None, progress: bool = True) -> dict:
     "The study's data folder, prepared from the shared EurLex sample (else the Hub) when it is not there yet; a no-op after."
-    from altgrad.data import prepare_eurlex, shared_data_dir
     sd = shared_data_dir()
     return prepare_eurlex(data_dir, source=(sd / "eurlex") if sd else None, max_docs=max_docs, progress=progress)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools, json, math
 from pathlib import Path
 import numpy as np
-from .confirm import Design, Spec, endpoint, plan
+from .confirm import Design, Spec, choices, endpoint, plan
 from .runs import read_table
 from .law import law_fit
 from .stats import betainc_reg, holm, mean_ci, rankdata, t_crit
@@ -214,7 +214,6 @@ def two_way(design, values: dict) -> dict:
 # %% ../nbs/39_confirm_answer.ipynb #23cafdff
 def analyse(design: Design, out) -> dict:
     "The pre-registered analysis from the committed table; `status` 'incomplete' while fewer than 2 held-out units are complete."
-    from altgrad.confirm import choices
     res = results(design, out)
     chosen, _ = choices(design, res["done"])
     units = complete_units(design, res)

@@ -11,7 +11,8 @@ from typing import Callable
 import numpy as np
 import torch
 from .formats import FP8Format, compile_kernel, get_format, quantize, _kernel_nearest, _tensor_params, _want_compiled
-from .scaling import SCALE_MIN, SCALE_MAX
+from .scaling import SCALE_MIN, SCALE_MAX, compute_scale
+from .notice import notice
 
 # %% auto #0
 __all__ = ['MASTER_WEIGHTS', 'RESIDUAL_DTYPES', 'RESIDUAL_BYTES', 'LANDINGS', 'STAT_FIELDS', 'R_EDGES', 'grid_magnitude',
@@ -100,7 +101,6 @@ def store_residual(c: torch.Tensor, dtype: str, fmt) -> torch.Tensor:
     if dtype == "fp32": return c
     if dtype == "bf16": return c.to(torch.bfloat16)
     if dtype != "format": raise ValueError(f"residual_dtype={dtype!r} is not one of {', '.join(map(repr, RESIDUAL_DTYPES))}")
-    from altgrad.scaling import compute_scale
     fmt = get_format(fmt)
     s, _ = compute_scale(c.detach().abs().amax(), fmt)
     return quantize(c, fmt, s)
@@ -189,7 +189,6 @@ def update_stats(w_before: torch.Tensor, u: torch.Tensor, w_after: torch.Tensor,
     except Exception as e:
         if kern is _stats_kernel: raise
         _stats_compiled[:] = [None]
-        from altgrad.tracking import notice
         notice(f"torch.compile of update_stats failed ({type(e).__name__}); using the eager kernel")
         r, v = _stats_kernel(*args, **_tensor_params(fmt, dev))
     rm = torch.masked_select(r, u != 0)

@@ -8,6 +8,7 @@ import contextlib, os, signal, subprocess, sys, threading, time
 from dataclasses import dataclass, field
 from pathlib import Path
 import torch
+from .config import resolve_device
 
 # %% auto #0
 __all__ = ['JobsInterrupted', 'job_env', 'runs_on_cpu', 'one_thread', 'Job', 'run_pool']
@@ -30,7 +31,6 @@ def job_env(cpu: bool, env: dict | None = None) -> dict:
 
 def runs_on_cpu(cfg) -> bool:
     "Does `cfg` (a `TrainConfig`) train on the CPU (`device` cpu, or auto without CUDA)?"
-    from altgrad.config import resolve_device
     return resolve_device(cfg) == "cpu"
 
 def one_thread() -> None:

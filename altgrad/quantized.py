@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from .formats import (ALL_FORMATS, COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_kernel, compile_mode,
                              get_format, quantize, _draw_seed, _kernel_nearest, _kernel_stochastic, _tensor_params,
                              _want_compiled)
-from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale, scale_kernel
+from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale, partition_clip, scale_kernel
 from .diagnostics import bit_histogram, range_edges
 from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_distributed
-from .tracking import notice
+from .notice import notice
 from .grid import (LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, land, regrid_scale, store_residual, update_stats, stats_dict, STAT_FIELDS,
                           ratio_histogram)
 
@@ -401,7 +401,6 @@ class QuantizedLinear(nn.Linear):
     def _quantize_grad(self, g: torch.Tensor, train: bool) -> torch.Tensor:
         g = g.detach().float()
         if self.clip_k is not None:
-            from altgrad.scaling import partition_clip
             gc = partition_clip(g, self.clip_k, self.qg.granularity, self.qg.block_size)
             if train: self._clipped += (gc != g).sum()
             g = gc

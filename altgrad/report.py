@@ -9,10 +9,18 @@ from pathlib import Path
 import numpy as np
 import matplotlib
 import matplotlib.pyplot as plt
+from .config import TrainConfig
+from .data import unigram_baseline
+from .grid import R_EDGES, RESIDUAL_BYTES
+from .model import GPT, GPTConfig
 from .tracking import metrics_file, compact_metrics, METRICS_JSONL
+from .quantized import quantize_model, quantize_model_from_config, quantized_layers
+from .optim import default_lr_scale
+from .regimes import get_rule, rule_of
 from .runs import (Run, load_run, write_synthetic_run, SYN_LAYERS, run_finished, read_json, read_yaml, find_writeups,
                           find_sweeps, find_matrices, is_writeup, reuse_marker, load_runs, layer_formats_of,
-                          has_run, read_config)
+                          has_run, read_config, current_keys)
+from .matrix import write_matrix
 
 # %% auto #0
 __all__ = ['SMOOTH_WINDOW', 'HEATMAP_PERCENTILE', 'AVG_STEPS', 'FIG_DPI', 'LAYER_GROUPS', 'MECHANISM_COLUMNS', 'MECHANISM_LABELS',
@@ -337,7 +345,6 @@ def fmt_num(v, spec: str = ".4g") -> str:
 # %% ../nbs/30_report.ipynb #bb88be59
 def _residual_text(cfg: dict) -> str:
     "How the kahan residual is stored and what it costs per parameter (`altgrad.grid.RESIDUAL_BYTES`)."
-    from altgrad.grid import RESIDUAL_BYTES
     res = cfg.get("residual_dtype") or "fp32"
     n = RESIDUAL_BYTES.get(res)
     return f"`residual_dtype={res}`: " + (f"{n} byte{'s' * (n != 1)} per parameter" if n else "unknown size") + \
@@ -421,7 +428,6 @@ def mechanism_table(run: Run) -> list[dict]:
 
 def regime_of(cfg: dict):
     "The registered update regime (`altgrad.regimes.UpdateRule`) a run's config ran, or None when no registered regime matches."
-    from altgrad.regimes import get_rule, rule_of
     try: return get_rule(rule_of(cfg))
     except ValueError: return None
 
@@ -434,7 +440,6 @@ def mechanism_rule(run: Run) -> str:
     elif regime is not None and regime.lr_scale is not None:
         lr = f"learning-rate scale {fmt_num(float(regime.lr_scale), 'g')} (regime `{regime.name}`, `altgrad.regimes`)"
     else:
-        from altgrad.optim import default_lr_scale
         try: lr = f"learning-rate scale {fmt_num(float(default_lr_scale(opt)), 'g')} ({opt}'s default, `altgrad.optim.default_lr_scale`)"
         except ValueError: lr = "learning-rate scale unknown"
     base = f"`optimizer={opt}`, {lr}"
@@ -475,7 +480,6 @@ def plot_mechanism(run: Run, window: int = SMOOTH_WINDOW):
 
 def ratio_histograms(run: Run) -> dict[str, dict[str, np.ndarray]]:
     "{role: {step: counts summed over the role's layers}} of the `r` histograms in `histograms.json` (bins `grid.R_EDGES`)."
-    from altgrad.grid import R_EDGES
     nb = len(R_EDGES) - 1
     out: dict[str, dict[str, np.ndarray]] = {}
     for st in sorted(run.histograms, key=int):
@@ -489,13 +493,11 @@ def ratio_histograms(run: Run) -> dict[str, dict[str, np.ndarray]]:
 
 def share_below_half(counts) -> float:
     "Share of the histogram's weights with r < 1/2 (log2 r < -1: the bins left of that edge of `grid.R_EDGES`)."
-    from altgrad.grid import R_EDGES
     c = np.asarray(counts, dtype=float)
     return float(c[np.asarray(R_EDGES[1:]) <= -1].sum() / c.sum()) if c.sum() else float("nan")
 
 def plot_ratio_histograms(run: Run):
     "Histograms of log2 r (r = |u|/ulp) per layer role at the saved steps, as shares of the moved weights; line at r = 1/2."
-    from altgrad.grid import R_EDGES
     hs = ratio_histograms(run)
     if not hs: return None
     e = np.asarray(R_EDGES); x = (e[:-1] + e[1:]) / 2
@@ -683,13 +685,9 @@ def model_layers(config, layer_formats=None) -> tuple[list[str], list[str]]:
     run's config dict) and `layer_formats` (default: its own)."""
     import warnings, torch
     from dataclasses import fields
-    from altgrad.config import TrainConfig
-    from altgrad.model import GPT, GPTConfig
-    from altgrad.quantized import quantize_model, quantize_model_from_config, quantized_layers
     if isinstance(config, TrainConfig): c = config
     else:
         valid = {f.name for f in fields(TrainConfig)}
-        from altgrad.runs import current_keys
         c = TrainConfig.from_dict({k: v for k, v in current_keys(dict(config)).items() if k in valid})
     if layer_formats is not None: c = c.replace(layer_formats=[list(r) for r in layer_formats])
     def build():
@@ -932,7 +930,6 @@ def report_cli(argv: list[str] | None = None) -> int:
               "lays them out (<out>/<name>/{report.md, figures/, run/})", file=sys.stderr); return 2
     unigram = a.unigram
     if unigram is None and a.data_dir:
-        from altgrad.data import unigram_baseline
         unigram = unigram_baseline(a.data_dir)
     matplotlib.use("Agg")
     if a.compact:
@@ -953,6 +950,5 @@ def report_cli(argv: list[str] | None = None) -> int:
             path, what = regenerate_summary(s, unigram)
             print(f"[altgrad-report] {path or s / 'summary.md'}: {what}", file=sys.stdout if path else sys.stderr)
         if find_matrices(root):                           # after the sweeps: a matrix tabulates their summaries
-            from altgrad.matrix import write_matrix
             for m in find_matrices(root): print(f"[altgrad-report] {write_matrix(m)}")
     return 1 if skipped else 0

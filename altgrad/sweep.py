@@ -9,28 +9,31 @@ from pathlib import Path
 import numpy as np
 import yaml
 import torch
-from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides, missing_keys
+from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides, research_choices
 from .formats import get_format, grid_equivalent, equivalent_formats
+from .data import prepare_eurlex, shared_data_dir, load_meta, unigram_baseline
+from .optim import default_lr_scale
+from .trainer import Trainer, Interrupted
 from .regimes import UPDATE_RULES, get_rule
-from .runs import Run, load_run, read_summary, read_config, dataset_of, REUSED_FILE
+from .runs import Run, load_run, REUSED_FILE, DONE, run_status, check_run, config_reasons, data_identity, ignored_key
 from .report import run_summary, write_summary, short_layer, model_layers, nan_origin
 from .pool import JobsInterrupted, Job, run_pool, job_env, runs_on_cpu, one_thread
+from .matrix import write_matrix
 
 # %% auto #0
-__all__ = ['SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'IGNORED_KEYS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'FINISHED', 'WRITEUP_FILES',
+__all__ = ['RETRIES', 'SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'WRITEUP_FILES',
            'NOTEBOOK_OVERRIDE_PARAMS', 'resolve_preset', 'run_name', 'reference_overrides', 'reference_dir',
-           'ensure_data', 'train', 'saved_config', 'data_identity', 'config_diff', 'config_reasons', 'check_run',
-           'RunConflict', 'run_plan', 'job_plan', 'reference_config', 'reference_conflict', 'reference_run',
-           'format_config', 'grid_key', 'set_aside', 'reuse_note', 'mark_reused', 'RetryRefused', 'hot_layers',
-           'retry_layout', 'find_notebook', 'portable', 'notebook_params', 'run_notebook', 'check_overrides',
-           'settings_note', 'sweep_setup', 'refuse_conflicts', 'run_sweep', 'conflict_message', 'grid_rules',
-           'update_rule_overrides', 'matrix_note', 'sweep_cli', 'train_format', 'pool_plan', 'retry_specs', 'sweep_job',
-           'sweep_on_cpu', 'train_concurrently']
+           'ensure_data', 'train', 'RunConflict', 'run_plan', 'job_plan', 'reference_config', 'reference_conflict',
+           'reference_run', 'format_config', 'grid_key', 'set_aside', 'reuse_note', 'mark_reused', 'RetryRefused',
+           'hot_layers', 'retry_layout', 'find_notebook', 'portable', 'notebook_params', 'run_notebook',
+           'check_overrides', 'settings_note', 'sweep_setup', 'refuse_conflicts', 'run_sweep', 'conflict_message',
+           'grid_rules', 'update_rule_overrides', 'matrix_note', 'sweep_cli', 'train_format', 'pool_plan',
+           'retry_specs', 'sweep_job', 'sweep_on_cpu', 'train_concurrently']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
-SEED_ORDER = ["E5M2", "E3M4", "E1M6", "E7M0", "E0M7", "E4M3"]
-POST_LN_LAYER_FORMATS = [["*.attn.c_attn", "E1M6"], ["*.mlp.c_fc", "E1M6"], ["*", None]]
-IGNORED_KEYS = ("out_dir", "data_dir", "resume")   # and every wandb_* key; data_dir is compared by content instead
+RETRIES = research_choices()["retries"]                     # per-format retry policies (altgrad/research.yaml)
+SEED_ORDER = research_choices()["run_order"]
+POST_LN_LAYER_FORMATS = RETRIES["E1M6"]["layer_formats"]    # the E1M6 retry's layout (named by tests and tools)
 NOT_IN_REFERENCE = ("fmt", "fmt_backward", "scaling", "granularity", "block_size_q", "amax_history_len", "amax_algo",
                     "master_weights", "quantize_grads", "rounding", "margin", "weight_update", "residual_dtype", "layer_formats",
                     "interventions", "stop_on_nan", "shadow", "optimizer")
@@ -46,7 +49,6 @@ def resolve_preset(preset: str) -> str:
 def run_name(fmt: str | None, tag: str = "") -> str:
     return (fmt or "reference") + (f"-{tag}" if tag else "")
 
-def _ignored(key: str) -> bool: return key in IGNORED_KEYS or key.startswith("wandb_")
 
 def reference_overrides(overrides: dict | None) -> dict:
     "The part of the sweep's config `overrides` that applies to the standard high-precision reference (none of `NOT_IN_REFERENCE`)."
@@ -65,14 +67,13 @@ def reference_dir(out, preset: str, seed: int, steps: int, **overrides) -> Path:
     "`out/_reference/<preset>-s<seed>-n<steps>[-<key=value,...>]`: one folder per distinct reference config."
     ref = reference_overrides(overrides)
     base, want = _reference_config(preset, seed, steps).to_dict(), _reference_config(preset, seed, steps, **ref).to_dict()
-    diff = {k: v for k, v in want.items() if v != base[k] and not _ignored(k)}
+    diff = {k: v for k, v in want.items() if v != base[k] and not ignored_key(k)}
     p = resolve_preset(preset)
     label = Path(p).stem if ("/" in p or p.endswith((".yaml", ".yml"))) else p
     return Path(out) / "_reference" / (f"{label}-s{seed}-n{steps}" + (f"-{_tag(diff)}" if diff else ""))
 
 def ensure_data(data_dir: str | None, out) -> str:
     "A prepared EurLex folder: `data_dir` if given, else `out/_data/eurlex` prepared from the local sample (instant when done)."
-    from altgrad.data import prepare_eurlex, shared_data_dir, load_meta
     if data_dir:
         try: load_meta(data_dir)
         except Exception as e:
@@ -90,99 +91,31 @@ def ensure_data(data_dir: str | None, out) -> str:
 
 def train(cfg, overwrite: bool = False) -> dict:
     "Run the trainer on `cfg` (`overwrite`: an earlier finished run in its folder is moved aside); returns its summary."
-    from altgrad.trainer import Trainer
     return Trainer(cfg, overwrite=overwrite).fit()
 
 # %% ../nbs/31_sweep.ipynb #1bc6edce
-def saved_config(run_dir) -> TrainConfig:
-    """The run's `config.yaml` (else the config of its row in the dataset above it, `altgrad.runs.dataset_of`) loaded
-    through `TrainConfig` (keys added since it was written take their defaults)."""
-    p = Path(run_dir) / "config.yaml"
-    if not p.is_file():
-        if dataset_of(run_dir) is None: raise ConfigError(f"{p} not found")
-        raw = read_config(run_dir)
-        return load_config(raw.pop("preset", None), **raw)
-    return load_config(p)
-
-def data_identity(data_dir) -> dict | None:
-    "`{split: (sha256, tokens)}` from a prepared data folder's `meta.json` (its token content); None when unreadable."
-    try: meta = json.loads((Path(data_dir) / "meta.json").read_text())
-    except (OSError, ValueError, TypeError): return None
-    ident = {s: (i.get("sha256"), i.get("tokens")) for s, i in (meta.get("splits") or {}).items() if isinstance(i, dict)}
-    return ident or None
-
-def _data_diff(a, b) -> str | None:
-    "Why data folders `a` (saved) and `b` (requested) are not the same data, or None."
-    if a == b or (a and b and Path(a).resolve() == Path(b).resolve()): return None
-    ia, ib = data_identity(a) if a else None, data_identity(b) if b else None
-    if ia is not None and ia == ib: return None
-    why = "different token content" if ia is not None and ib is not None else \
-          f"cannot compare the content: no readable meta.json in {a if ia is None else b}"
-    return f"data_dir: {a!r} -> {b!r} ({why})"
-
-def config_diff(saved, requested) -> list[str]:
-    "`'key: saved -> requested'` for every config field that differs (TrainConfig or dict; out_dir, resume, wandb_* ignored; data by content)."
-    a = saved.to_dict() if isinstance(saved, TrainConfig) else dict(saved)
-    b = requested.to_dict() if isinstance(requested, TrainConfig) else dict(requested)
-    out = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in list(dict.fromkeys([*a, *b]))
-           if not _ignored(k) and a.get(k) != b.get(k)]
-    d = _data_diff(a.get("data_dir"), b.get("data_dir"))
-    return out + ([d] if d else [])
-
-FINISHED = ("max_steps", "nan")
-
-def config_reasons(run_dir, cfg) -> list[str]:
-    """Why the run in `run_dir` is not a run of `cfg`: keys its config.yaml lacks (but renamed keys and keys added later
-    with the default that reproduces what older runs did, `altgrad.config.missing_keys`), then `config_diff`."""
-    d = Path(run_dir)
-    try:
-        raw = read_config(d)                               # config.yaml, or the run's row of a dataset
-        lacks = [k for k in missing_keys(raw) if not _ignored(k)]
-        why = [f"config.yaml lacks {', '.join(lacks)} (written by older code; its defaults may not be what ran)"] if lacks else []
-        return why + config_diff(saved_config(d), cfg)
-    except (ConfigError, OSError, ValueError) as e: return [f"config.yaml unusable: {e}"]
-
-def check_run(run_dir, cfg=None, finished=FINISHED) -> tuple:
-    """`(Run, [])` when the run in `run_dir` can stand in for the requested `cfg`, else `(None, reasons)`.
-
-    Reusable: `summary.json` says it finished (`stopped_reason` in `finished`; all `max_steps` steps unless it stopped
-    for NaN), its resolved config equals `cfg` (`config_diff`; skipped when `cfg` is None), and its per-step metrics load."""
-    d = Path(run_dir)
-    summ = read_summary(d)
-    if summ is None: return None, [f"no readable summary.json in {d} (never run, or killed before it ended)"]
-    why, reason = [], summ.get("stopped_reason")
-    if reason not in finished: why.append(f"stopped_reason={reason!r} is not one of {list(finished)}")
-    elif reason == "max_steps" and summ.get("final_step") != summ.get("max_steps"):
-        why.append(f"stopped at step {summ.get('final_step')} of {summ.get('max_steps')}")
-    if cfg is not None: why += config_reasons(d, cfg)
-    if why: return None, why
-    try: run = load_run(d)
-    except Exception as e: return None, [f"per-step metrics missing or unreadable: {type(e).__name__}: {e}"]
-    if not run.metrics: return None, ["the per-step metrics are empty"]
-    return run, []
-
 class RunConflict(ValueError):
     "The requested run's folder holds a finished or interrupted run of another config: replacing it needs asking for."
 
-def run_plan(run_dir, cfg, finished=FINISHED) -> tuple[str, Run | None, list[str]]:
+def run_plan(run_dir, cfg, accept=DONE) -> tuple[str, Run | None, list[str]]:
     """`(action, Run or None, reasons)` for the requested `cfg` in `run_dir`: 'reuse' (a finished run of this config,
     `check_run`), 'resume' (an interrupted run of this config: its checkpoint is kept and training continues),
     'conflict' (a finished or interrupted run of another config: never replaced unasked), or 'train' (nothing usable)."""
-    reason = (read_summary(run_dir) or {}).get("stopped_reason")
-    if reason in (*finished, "interrupted"):
+    status = run_status(run_dir)
+    if status in (*accept, "interrupted"):
         diff = config_reasons(run_dir, cfg)
         if diff: return "conflict", None, diff
-        if reason == "interrupted": return "resume", None, ["stopped_reason='interrupted': resumable"]
-    run, why = check_run(run_dir, cfg, finished)
+        if status == "interrupted": return "resume", None, ["stopped_reason='interrupted': resumable"]
+    run, why = check_run(run_dir, cfg, accept)
     return ("reuse", run, []) if run is not None else ("train", None, why)
 
 WRITEUP_FILES = ("report.md", "reused.json")   # a write-up in out/<name>/: a report, or a reuse page (`mark_reused`)
 
-def job_plan(dest, cfg, finished=FINISHED) -> tuple[str, Run | None, list[str]]:
+def job_plan(dest, cfg, accept=DONE) -> tuple[str, Run | None, list[str]]:
     """`run_plan` of the main job's run `cfg.out_dir`, where training over a write-up already in `dest` (= out/<name>:
     `report.md` or a reuse page's `reused.json`) with no finished run of this config to reuse is a 'conflict' too: a
     committed write-up is never replaced unasked."""
-    action, run, why = run_plan(cfg.out_dir, cfg, finished)
+    action, run, why = run_plan(cfg.out_dir, cfg, accept)
     held = [n for n in WRITEUP_FILES if (Path(dest) / n).exists()]
     if action == "train" and held: return "conflict", None, [f"{' and '.join(held)} but no finished run of this config"] + why
     return action, run, why
@@ -206,7 +139,7 @@ def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, d
     cfg = reference_config(out, preset, seed, steps, data_dir, wandb_mode, **overrides)
     d = Path(cfg.out_dir)
     if not force:
-        action, run, why = run_plan(d, cfg, finished=("max_steps",))
+        action, run, why = run_plan(d, cfg, accept=("finished",))
         if action == "reuse": print(f"reusing reference run {d}"); return d
         if action == "conflict": raise reference_conflict(d, why)
         if action == "resume":
@@ -234,7 +167,7 @@ def grid_key(cfg) -> str:
     "Identity of the training `cfg` asks for, with grid-equivalent formats identified (equal keys: the same run)."
     canon = {n: g[0] for g in equivalent_formats() for n in g}
     c = lambda f: None if f is None else canon.get(get_format(f).name, get_format(f).name)
-    d = {k: v for k, v in cfg.to_dict().items() if not _ignored(k)}
+    d = {k: v for k, v in cfg.to_dict().items() if not ignored_key(k)}
     d["fmt"], d["fmt_backward"] = c(d.get("fmt")), c(d.get("fmt_backward"))
     d["layer_formats"] = [[p, c(f)] for p, f in d.get("layer_formats") or []]
     d["data"] = data_identity(cfg.data_dir) or str(Path(cfg.data_dir).resolve())
@@ -307,7 +240,7 @@ def retry_layout(fmt: str, run_dir, n_layer: int | None = None, min_8bit: float 
     "(tag, layer_formats) of the retry of a failed uniform run of `fmt`; `RetryRefused` when under `min_8bit` of the linear layers would stay 8-bit."
     run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
     fmt = get_format(fmt).name
-    if fmt == "E1M6": tag, layout = "postln", POST_LN_LAYER_FORMATS
+    if fmt in RETRIES: tag, layout = RETRIES[fmt]["tag"], RETRIES[fmt]["layer_formats"]
     else:
         hot = hot_layers(run)
         if not hot:
@@ -441,7 +374,6 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
     if not force: refuse_conflicts(out, formats, common, overrides)      # refuse before anything trains
     ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode, force=force and "reference" not in pooled, **overrides)
     ref_run = load_run(ref)
-    from altgrad.data import unigram_baseline
     uni = unigram_baseline(data_dir)
     note = settings_note(format_config(formats[0] if formats else "E5M2", out, **common, **overrides), master_weights,
                          interventions, overrides)
@@ -514,7 +446,6 @@ def update_rule_overrides(rules: str, overrides: dict) -> dict:
 def matrix_note(preset: str, steps: int, seed: int, overrides: dict, formats) -> str:
     "The settings paragraph of a rule matrix (see `altgrad.matrix`)."
     c = load_config(resolve_preset(preset), **{k: v for k, v in overrides.items() if k not in ("optimizer", "weight_update")})
-    from altgrad.optim import default_lr_scale
     lrs = ", ".join(f"{o} {c.lr * default_lr_scale(o):.3g}" for o in ("adamw", "madam", "lion"))
     return (f"Preset `{resolve_preset(preset)}`, {steps} steps, seed {seed}, formats {', '.join(formats)}; every 8-bit "
             f"layer's weights live on its grid (`master_weights=format`); FP32 shadow {'off' if overrides.get('shadow') is False else 'on'}; "
@@ -584,7 +515,6 @@ def sweep_cli(argv: list[str] | None = None) -> int:
                              a.master_weights, ov, pooled=pooled.get(str(Path(out)))))
         except RunConflict as e: print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
     if a.update_rules is not None:
-        from altgrad.matrix import write_matrix
         print(write_matrix(a.out, note=matrix_note(a.preset, a.steps, a.seed, overrides, fmts)))
     return 0
 
@@ -637,7 +567,7 @@ def pool_plan(out, formats, common: dict, overrides: dict, force: bool = False) 
     {grid_key: name}, 'source': {format: name of the run it uses}, 'reference': folder, 'out', 'common', 'overrides', 'force'}`."""
     out = Path(out)
     rc = reference_config(out, common["preset"], common["seed"], common["steps"], common["data_dir"], common["wandb_mode"], **overrides)
-    action, _, why = ("train", None, []) if force else run_plan(rc.out_dir, rc, finished=("max_steps",))
+    action, _, why = ("train", None, []) if force else run_plan(rc.out_dir, rc, accept=("finished",))
     if action == "conflict": raise reference_conflict(rc.out_dir, why)
     jobs = [_spec("reference", "reference", out, common, overrides, force=force)] if action != "reuse" else []
     keys, source = {}, {}
@@ -660,7 +590,6 @@ def retry_specs(plan: dict, fmt: str, ref_run=None) -> list:
 
 def sweep_job(spec: dict) -> int:
     "The body of one process of a sweep's pool (`pool_plan`'s spec): 'reference', 'train' (`train_format`) or 'notebook' (`run_notebook`)."
-    from altgrad.trainer import Interrupted
     signal.signal(signal.SIGTERM, signal.default_int_handler)   # the pool's SIGTERM as Ctrl-C: papermill interrupts its kernel, the run checkpoints
     out, common, ov, force = Path(spec["out"]), spec["common"], spec["overrides"], spec["force"]
     try:

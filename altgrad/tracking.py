@@ -11,31 +11,16 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 from fastcore.basics import patch
+from .notice import AltgradNotice, notice   # re-exported: they lived here before `altgrad.notice`
+
 
 # %% auto #0
-__all__ = ['METRICS_JSONL', 'METRICS_COMPACT', 'DEFAULT_COOLDOWNS', 'COMPACT_COLUMNS', 'LAYER_COLUMNS', 'AltgradNotice', 'notice',
-           'to_python', 'encode_json', 'decode_json', 'read_metrics', 'write_metrics_compact', 'compact_info',
+__all__ = ['METRICS_JSONL', 'METRICS_COMPACT', 'DEFAULT_COOLDOWNS', 'COMPACT_COLUMNS', 'LAYER_COLUMNS', 'to_python',
+           'encode_json', 'decode_json', 'read_metrics', 'write_metrics_compact', 'compact_info',
            'read_metrics_compact', 'metrics_file', 'same_records', 'compact_metrics', 'read_wandb_records',
            'wandb_log_complete', 'wait_for_wandb_log', 'wandb_run_files', 'read_wandb_history', 'read_wandb_alerts',
            'read_wandb_run_ids', 'wandb_logged_in', 'resolve_wandb_mode', 'Tracker', 'read_alerts', 'find_breaches',
            'truncate_records', 'NullTracker', 'compact_columns', 'thin_alerts', 'compact_run']
-
-# %% ../nbs/15_tracking.ipynb #9f09be1b
-class AltgradNotice(UserWarning):
-    "A one-line notice from altgrad: shown as `[altgrad] message` on stderr, without a source line."
-
-_showwarning = warnings.showwarning
-
-def _show_notice(message, category, filename, lineno, file=None, line=None):
-    if not issubclass(category, AltgradNotice): return _showwarning(message, category, filename, lineno, file, line)
-    try: (file or sys.stderr).write(f"[altgrad] {message}\n")
-    except (OSError, ValueError): pass
-
-warnings.showwarning = _show_notice
-
-def notice(msg: str):
-    "Tell the user `msg` in one clean line on stderr (`[altgrad] msg`)."
-    warnings.warn(str(msg), AltgradNotice, stacklevel=2)
 
 # %% ../nbs/15_tracking.ipynb #e39ad7c7
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}

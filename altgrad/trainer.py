@@ -17,7 +17,9 @@ from .config import (TrainConfig, ConfigError, load_config, parse_overrides, sav
                             autocast_dtype, PRESETS, config_keys_help, RENAMED_KEYS)
 from .data import TokenData, batch_starts, data_for_vocab, vocab_info
 from .model import GPT, GPTConfig
-from .tracking import Tracker, to_python, notice
+from .tracking import Tracker, to_python
+from .notice import notice
+from .runs import DONE, read_json, run_files, run_status, config_reasons
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, atomic_write_text
 from .shadow import FP32ShadowModel, rng_snapshot
 from .metrics import gradient_metrics, snapshot_params, zero_update_metrics, nonfinite_sources, DivergenceDetector
@@ -32,10 +34,10 @@ from .tracking import NullTracker
 from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists', 'run_state', 'config_changes',
-           'move_to_previous', 'claim_out_dir', 'Trainer', 'decay_factors', 'lr_scale_of', 'grid_params',
-           'quantized_cosine', 'layer_census', 'absorb_landing_errors', 'eval_windows', 'window_batch',
-           'check_ranks_agree', 'Interrupted', 'catch_interrupts', 'progress_label', 'device_info', 'train_cli']
+__all__ = ['lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists', 'run_state', 'move_to_previous', 'claim_out_dir',
+           'Trainer', 'decay_factors', 'lr_scale_of', 'grid_params', 'quantized_cosine', 'layer_census',
+           'absorb_landing_errors', 'eval_windows', 'window_batch', 'check_ranks_agree', 'Interrupted',
+           'catch_interrupts', 'progress_label', 'device_info', 'train_cli']
 
 # %% ../nbs/26_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -77,40 +79,24 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     return quantized.quantize_model_from_config(model, cfg)
 
 # %% ../nbs/26_trainer.ipynb #1ee11a65
-RUN_FILES = ("metrics.jsonl", "metrics.parquet", "alerts.jsonl", "alerts.parquet", "summary.json", "config.yaml",
-             "tracker.json", "histograms.json", "checkpoints", "wandb", "checkpoints.*", "metrics.*.jsonl",
-             "metrics.*.parquet", "alerts.*.jsonl", "alerts.*.parquet")
-_FINISHED = ("max_steps", "nan")
-
 class RunExists(ConfigError):
     "A fresh run would replace a finished or interrupted run in its `out_dir`."
 
-def _run_files(d: Path) -> list[Path]:
-    return sorted({p for pat in RUN_FILES for p in d.glob(pat)}) if d.is_dir() else []
-
 def run_state(run_dir) -> tuple[str, dict]:
     "('finished' | 'interrupted' | 'partial' | 'empty', its summary.json or {}): what `run_dir` holds (see above)."
-    d = Path(run_dir)
-    try: s = json.loads((d / "summary.json").read_text())
-    except (OSError, ValueError): s = {}
-    if s.get("stopped_reason") in _FINISHED: return "finished", s
+    d = Path(run_dir); s = read_json(d / "summary.json", {})          # this folder's own summary, not a dataset row
+    if not isinstance(s, dict): s = {}
+    if run_status(s) in DONE: return "finished", s
     if any((d / "checkpoints").glob("step_*.pt")): return "interrupted", s
     logged = any(p.exists() and p.stat().st_size for p in (d / "summary.json", d / "metrics.jsonl", d / "metrics.parquet"))
     return ("partial" if logged else "empty"), s
-
-def config_changes(run_dir, cfg: TrainConfig) -> list[str]:
-    "`'key: there -> now'` for every setting (but `resume`) where `run_dir/config.yaml` differs from `cfg`."
-    try: saved = load_config(Path(run_dir) / "config.yaml").to_dict()
-    except Exception as e: return [f"its config.yaml cannot be read ({type(e).__name__}: {e})"]
-    now = cfg.to_dict()
-    return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in dict.fromkeys([*saved, *now]) if k != "resume" and saved.get(k) != now.get(k)]
 
 def move_to_previous(run_dir) -> Path:
     "Move the run files of `run_dir` (`RUN_FILES`) into `run_dir/_previous/<time>/`; returns that folder."
     d = Path(run_dir); dst = d / "_previous" / time.strftime("%Y%m%d_%H%M%S")
     while dst.exists(): dst = dst.with_name(dst.name + "_")
     dst.mkdir(parents=True)
-    for p in _run_files(d): os.replace(p, dst / p.name)
+    for p in run_files(d): os.replace(p, dst / p.name)
     return dst
 
 def claim_out_dir(run_dir, cfg: TrainConfig, overwrite: bool = False) -> bool:
@@ -119,7 +105,7 @@ def claim_out_dir(run_dir, cfg: TrainConfig, overwrite: bool = False) -> bool:
     if state == "empty": return False
     at = f"step {s.get('final_step', '?')} of {s.get('max_steps', cfg.max_steps)}"
     if not overwrite and state != "partial":
-        diff = config_changes(d, cfg)
+        diff = config_reasons(d, cfg)
         if state == "interrupted" and not diff:
             notice(f"{d} holds an interrupted run of this config ({at}): resuming it"); return True
         what = "a finished run" if state == "finished" else "an interrupted run of another config"

@@ -105,13 +105,14 @@ def test_reference_from_git_clone(tmp_path, monkeypatch, capsys):
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=300)
     from altgrad import sweep as sw
+    from altgrad.runs import check_run
     from altgrad.report import load_run
     from altgrad.data import prepare_eurlex, shared_data_dir
     runs = [p.parent for p in (clone / "outputs").rglob("summary.json") if (p.parent / "config.yaml").exists()]
     assert runs, "no committed run folders"
     for d in runs:
         assert not (d / "metrics.jsonl").exists()                      # git-ignored: what a clone does not have
-        run, why = sw.check_run(d)
+        run, why = check_run(d)
         assert run is not None and why == [], (d, why)
         assert run.metrics[-1]["step"] == json.loads((d / "summary.json").read_text())["final_step"], d
     ref = Path("outputs/_reference/cpu-s42-n500")
@@ -184,9 +185,10 @@ def test_committed_runs_reused_with_their_config():
     "Every committed run folder is reused for the config it ran, although its config.yaml says `rules:` (renamed "
     "`layer_formats`) and lacks keys added since (`eval_tokens`, whose default is what those runs did). Read-only."
     from altgrad import sweep as sw
+    from altgrad.runs import saved_config
     runs = sorted(p.parent for p in (ROOT / "outputs").rglob("config.yaml") if (p.parent / "summary.json").exists())
     old = [d for d in runs if "rules:" in (d / "config.yaml").read_text()]
     assert old, "no committed run with the old key"
     for d in old[:40] + [ROOT / "outputs" / "_reference" / "cpu-s42-n500"]:
-        action, run, why = sw.run_plan(d, sw.saved_config(d))
+        action, run, why = sw.run_plan(d, saved_config(d))
         assert action == "reuse" and run is not None, (d, why)

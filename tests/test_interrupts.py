@@ -196,5 +196,6 @@ def test_study_cli(data, tmp_path):
     "Ctrl-C during a study run, then the same `altgrad-study` again: that run resumes."
     steps = 40
     cmd = [_exe("altgrad-study"), "--preset", "smoke", "--out", tmp_path / "study", "--formats", "E5M2", "--rules", "nearest",
-           "--seeds", "42", "--steps", steps, "--lr-mults", "1", "--data-dir", data]
+           "--tuning-seeds", "42", "--heldout-seeds", "43,44", "--steps", steps, "--lr-mults", "1", "--max-extensions", "0",
+           "--data-dir", data]
     _interrupt_and_rerun(cmd, tmp_path / "study", steps)

@@ -70,8 +70,9 @@ def test_study_jobs(tmp_path, small_data):
     "A tiny study with --jobs 2: two shards share the folder, every run is trained once, then the answer is written."
     out = tmp_path / "study"
     r = _run(_cmd("altgrad-study", "study_cli", "study_cli"), "--preset", "smoke", "--formats", "E4M3", "--rules", "nearest",
-             "--seeds", "42,43", "--steps", STEPS, "--lr-mults", "1", "--data-dir", small_data, "--out", out, "--jobs", 2)
-    n_runs = 2 * 2 + 2 * 2                 # references (FP32, BF16) and E4M3 x (fp32, nearest) masters, per seed
+             "--tuning-seeds", "42", "--heldout-seeds", "43,44", "--steps", STEPS, "--lr-mults", "1", "--max-extensions", "0",
+             "--data-dir", small_data, "--out", out, "--jobs", 2)
+    n_runs = 2 + 2 * (2 + 2)               # tuning: E4M3 x (fp32, nearest); per held-out seed: references (FP32, BF16) and the same
     assert f"[altgrad-study] --jobs 2: 2 processes share {out} (one thread each)" in r.stdout, r.stdout[-2000:]
     assert "shard 0/2: done" in r.stdout and "shard 1/2: done" in r.stdout, r.stdout[-2000:]
     assert f"[altgrad-study] study: {n_runs} reused, 0 trained" in r.stdout, r.stdout[-2000:]

@@ -1,13 +1,14 @@
-"System tests of the multi-seed study (planned by altgrad.study, written up by altgrad.answer, run by altgrad.study_cli) on the smoke preset: two shards plus --collect, the CLI, resume, papermill."
+"System tests of the decisive study (planned by altgrad.study, written up by altgrad.answer, run by altgrad.study_cli) on the smoke preset: two shards plus --collect, the CLI, resume, papermill."
 import contextlib, io, json, os, shutil, subprocess, sys, time
 from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# 2 formats x 2 rules (+ the fp32-master regime, needed for the recovered fraction) x 2 seeds, one LR multiplier
-ARGS = ["--preset", "smoke", "--formats", "E4M3,E7M0", "--rules", "nearest,kahan", "--seeds", "42,43", "--steps", "6",
-        "--lr-mults", "1"]
-N_RUNS = 2 * 2 + 2 * 3 * 2            # references (FP32, BF16) per seed + formats x regimes x seeds
+# 2 formats x 2 rules (+ the fp32-master regime, needed for the recovered fraction); tuning seed 42 at one multiplier,
+# held-out seeds 43, 44
+ARGS = ["--preset", "smoke", "--formats", "E4M3,E7M0", "--rules", "nearest,kahan", "--tuning-seeds", "42", "--heldout-seeds", "43,44",
+        "--steps", "6", "--lr-mults", "1", "--max-extensions", "0"]
+N_RUNS = 2 * 3 + 2 * (2 + 2 * 3)      # tuning: formats x regimes; held-out seeds: references (FP32, BF16) + formats x regimes
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,48 +54,48 @@ def check_numbers(out: Path) -> dict:
             L = [loss(d) for d in c["runs"]]
             ok = [x for x in L if x is not None]
             assert c["loss"]["n"] == len(ok) and (not ok or c["loss"]["mean"] == pytest.approx(mean(ok)))
-            if r != "nearest":
+            if "benefit" in c:
                 d = [a - b for a, b in zip(ctrl, L) if a is not None and b is not None]
                 assert c["benefit"]["n"] == len(d) and (not d or c["benefit"]["mean"] == pytest.approx(mean(d)))
     md = (out / "answer.md").read_text()
     assert st["answer"] in md and md.index(st["answer"]) < md.index("## Results per format × rule")
-    for f in st["plan"]["formats"]:
-        for r in st["plan"]["rules"]: assert f"| {f} | {r} | " in md
+    for f in st["plan"]["formats"]: assert f"| {f} |" in md
     for fig in st["figures"].values(): assert (out / fig).exists()
     return st
 
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory, small_data):
-    "The smoke study trained as two shards and merged with --collect; the later tests reuse this folder."
+    """The smoke study trained as two shards sharing one folder (shard 0, shard 1, shard 0 again: a shard stops while the
+    other's tuning runs are missing) and merged into another with --collect; the later tests reuse that folder."""
     root = tmp_path_factory.mktemp("study")
-    shards, logs = [root / "shard0", root / "shard1"], []
-    for i, s in enumerate(shards):
-        rc, log = inproc(*ARGS, "--data-dir", small_data, "--out", s, "--shard", f"{i}/2")
+    shared, logs = root / "shared", []
+    for i in (0, 1, 0):
+        rc, log = inproc(*ARGS, "--data-dir", small_data, "--out", shared, "--shard", f"{i}/2")
         assert rc == 0, log[-3000:]
         logs.append(log)
     out = root / "study"
-    rc, log = inproc(*ARGS, "--data-dir", small_data, "--out", out, "--collect", *shards)
+    rc, log = inproc(*ARGS, "--data-dir", small_data, "--out", out, "--collect", shared)
     assert rc == 0, log[-3000:]
-    return dict(out=out, shards=shards, data=small_data, logs=logs, collect_log=log)
+    return dict(out=out, shared=shared, data=small_data, logs=logs, collect_log=log)
 
 
 def test_shards_and_collect(study):
-    out, (s0, s1) = study["out"], study["shards"]
-    a, b = names(s0), names(s1)
-    assert a and b and not (a & b) and len(a | b) == N_RUNS, (sorted(a), sorted(b))      # a partition of the matrix
-    assert abs(len(a) - len(b)) <= 1
-    assert not (s0 / "answer.md").exists() and "shard 0/2 done" in study["logs"][0]
-    assert names(out) == a | b and f"0 already here, {N_RUNS} collected" in study["collect_log"], study["collect_log"][-2000:]
+    import re
+    out, shared = study["out"], study["shared"]
+    trained = [sum(int(n) for n in re.findall(r"(\d+) trained", log)) for log in study["logs"]]
+    assert all(trained[:2]) and sum(trained) == len(names(shared)) == N_RUNS, trained      # every run trained once, by one shard
+    assert not (shared / "answer.md").exists() and "shard 0/2 done" in study["logs"][-1]
+    assert names(out) == names(shared) and f"0 already here, {N_RUNS} collected" in study["collect_log"], study["collect_log"][-2000:]
     for n in names(out):
         d = out / "runs" / n
         assert (d / "config.yaml").exists() and (d / "summary.json").exists() and (d / "metrics.parquet").exists()
         assert not any(d.glob("checkpoints*")), "checkpoints are removed once a run finished"
     st = check_numbers(out)
-    assert st["complete"] and st["plan"]["rules"] == ["fp32", "nearest", "kahan"] and st["plan"]["seeds"] == [42, 43]
+    assert st["complete"] and st["plan"]["rules"] == ["fp32", "nearest", "kahan"] and st["plan"]["seeds"] == [42, 43, 44]
     assert set(st["references"]) == {"fp32", "bf16"}
     import yaml
-    assert yaml.safe_load((out / "runs" / "ref-bf16-s42" / "config.yaml").read_text())["precision"] == "bf16"
+    assert yaml.safe_load((out / "runs" / "ref-bf16-s43" / "config.yaml").read_text())["precision"] == "bf16"
     k = yaml.safe_load((out / "runs" / "E4M3-kahan-x1-s43" / "config.yaml").read_text())
     assert (k["master_weights"], k["weight_update"], k["optimizer"], k["seed"], k["fmt"]) == ("format", "kahan", "adamw", 43, "E4M3")
 
@@ -127,59 +128,13 @@ def test_papermill_reuses(study):
     md = (out / "answer.md").read_text()
     nb_out = out.parent / "run_study.ipynb"
     pm.execute_notebook(str(ROOT / "nbs" / "run_study.ipynb"), str(nb_out), cwd=str(ROOT), kernel_name="python3", progress_bar=False,
-                        parameters=dict(preset="smoke", out=str(out), formats="E4M3,E7M0", rules="nearest,kahan", seeds="42,43",
-                                        steps=6, lr_mults="1", data_dir=str(data)))
+                        parameters=dict(preset="smoke", out=str(out), formats="E4M3,E7M0", rules="nearest,kahan", tuning_seeds="42",
+                                        heldout_seeds="43,44", steps=6, lr_mults="1", max_extensions=0, data_dir=str(data)))
     text = "".join("".join(o.get("text", "")) + json.dumps(o.get("data", {})) for c in json.loads(nb_out.read_text())["cells"]
                    for o in c.get("outputs", []))
     assert "'trained': 0" in text and f"'reused': {N_RUNS}" in text, text[-2000:]
-    assert "Which 8-bit format benefits most" in text and "image/png" in text
+    assert "**Answer.**" in text and "image/png" in text
     assert (out / "answer.md").read_text() == md
-
-
-def test_lr_phase_across_shards(study, tmp_path):
-    """Two multipliers: shards run the LR phase, --collect chooses the rate, shards run the seed phase with --lr-choice.
-    Each shard starts with the smoke study's runs of its own share (same references and x1 runs), so only x3 runs train."""
-    import re
-    from altgrad.study import make_plan, lr_specs, shard_specs
-    args = ["--preset", "smoke", "--formats", "E4M3", "--rules", "nearest", "--seeds", "42,43", "--steps", "6",
-            "--lr-mults", "1,3", "--data-dir", study["data"]]
-    shards, out = [tmp_path / "s0", tmp_path / "s1"], tmp_path / "study"
-    plan = make_plan("smoke", "E4M3", "nearest", "42,43", 6, "1,3")
-    for i, s in enumerate(shards):
-        for sp in shard_specs(lr_specs(plan), (i, 2)):
-            if (study["out"] / "runs" / sp.name).is_dir(): shutil.copytree(study["out"] / "runs" / sp.name, s / "runs" / sp.name)
-    trained = lambda log: sum(int(n) for n in re.findall(r"(\d+) trained", log))
-    logs = []
-    for i, s in enumerate(shards):
-        rc, log = inproc(*args, "--out", s, "--shard", f"{i}/2")
-        assert rc == 0 and "the seed phase needs every LR run" in log, log[-2000:]
-        logs.append(log)
-    assert sum(map(trained, logs)) == 2                      # E4M3 x {fp32, nearest} at x3, seed 42 (the x1 runs are reused)
-    rc, log = inproc(*args, "--out", out, "--collect", *shards)
-    assert len(names(out)) == 4 + 4                          # references + E4M3 x {fp32, nearest} x {x1, x3} at seed 42
-    choice = json.loads((out / "lr_choice.json").read_text())
-    extra = 0 if choice["mults"]["fp32"] == 1.0 else 4      # the references again at FP32 master weights' x3 (2 seeds x 2)
-    assert rc == 0 and f"{2 + extra} runs missing" in log, log[-2000:]
-    from altgrad.runs import load_run, final_loss
-    for rule in ("fp32", "nearest"):
-        l1, l3 = (final_loss(load_run(out / "runs" / f"E4M3-{rule}-x{m}-s42")) for m in ("1", "3"))
-        assert choice["mults"][rule] == (1.0 if l1 <= l3 else 3.0), (rule, l1, l3)
-    assert f"**Incomplete:** {2 + extra} of" in (out / "answer.md").read_text()
-    # a choice made for another study is refused
-    rc, log = inproc(*[a if a != "6" else "7" for a in args], "--out", shards[0], "--shard", "0/2", "--lr-choice", out / "lr_choice.json")
-    assert rc == 2 and "belongs to another study" in log and "steps: 6 there, 7 here" in log, log[-2000:]
-    logs = []
-    for i, s in enumerate(shards):
-        rc, log = inproc(*args, "--out", s, "--shard", f"{i}/2", "--lr-choice", out / "lr_choice.json")
-        assert rc == 0 and f"shard {i}/2 done" in log, log[-2000:]
-        logs.append(log)
-    assert sum(map(trained, logs)) == 2 + extra              # E4M3 x {fp32, nearest} at seed 43, the chosen multiplier (+ references)
-    rc, log = inproc(*args, "--out", out, "--collect", *shards)
-    assert rc == 0 and f"8 already here, {2 + extra} collected" in log, log[-2000:]
-    st = check_numbers(out)
-    assert st["complete"] and st["lr_choice"]["mults"] == choice["mults"]
-    for rule, m in choice["mults"].items():
-        assert (out / "runs" / f"E4M3-{rule}-x{m:g}-s43").is_dir()
 
 
 def test_interrupted_run_resumes(study, tmp_path, monkeypatch):
@@ -192,7 +147,7 @@ def test_interrupted_run_resumes(study, tmp_path, monkeypatch):
     shutil.copytree(study["out"], out, ignore=shutil.ignore_patterns("answer.md", "study.json", "figures"))
     want = final_loss(load_run(out / "runs" / name))
     shutil.rmtree(out / "runs" / name)
-    plan = S.make_plan("smoke", "E4M3,E7M0", "nearest,kahan", "42,43", 6, "1")
+    plan = S.decisive_plan("smoke", "E4M3,E7M0", "nearest,kahan", S.make_protocol("42", "43,44", "1", 0), 6)
     cfg = S.spec_config(plan, S.format_spec("E4M3", "kahan", 43, 1.0), out, data)
     t = S.Trainer(cfg, progress=False); t.fit(until=3); t.save_checkpoint()
     sj = out / "runs" / name / "summary.json"
@@ -221,7 +176,7 @@ def fixture_study(out):
     "The fixture's synthetic study: 3 formats x 3 regimes, tuning seeds 1,2 (one grid extension allowed), held-out seeds 3,4,5."
     import math, zlib
     from altgrad.study import make_protocol, decisive_plan
-    from altgrad.answer import fake_decisive_study
+    from altgrad.testing import fake_decisive_study
     proto = make_protocol("1,2", "3,4,5", max_extensions=1)
     plan = decisive_plan("smoke", "E3M4,E5M2,E7M0", "fp32,nearest,stochastic", proto)
     stall_at = {"E3M4": 0.2, "E5M2": 0.45, "E7M0": 0.9}
