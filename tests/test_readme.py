@@ -41,7 +41,7 @@ def test_runner_fails_on_a_raising_block(tmp_path):
     assert out.returncode != 0 and '<README block 2>' in out.stderr and "boom" in out.stderr
 
 
-@pytest.mark.parametrize("section, n", [("Use", 1), ("Use altgrad in your own model", 4)])
+@pytest.mark.parametrize("section, n", [("Use", 1), ("Use altgrad in your own model", 5)])
 def test_readme_python_blocks_run(section, n, tmp_path):
     "The section's python blocks run, top to bottom, in one fresh process (as a reader pastes them), with no warning."
     blocks = python_blocks(README.read_text(), section)
