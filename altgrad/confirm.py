@@ -5,7 +5,7 @@
 # %% ../nbs/38_confirm.ipynb #ceb4ea34
 from __future__ import annotations
 import json, math, os, shutil, time
-from dataclasses import dataclass, asdict, field
+from dataclasses import dataclass, asdict
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -21,8 +21,8 @@ from .trainer import Trainer
 
 # %% auto #0
 __all__ = ['COLUMNS', 'MEANS', 'Design', 'Spec', 'run_dir', 'trunk_checkpoint', 'spec_config', 'run_record', 'state_digest',
-           'finished_runs', 'endpoint', 'loss_or_inf', 'choose_mult', 'tuning_mults', 'cell_losses', 'choices', 'plan',
-           'todo', 'train', 'work', 'collect', 'write_table', 'pilot_summary', 'ensure_data', 'main']
+           'finished_runs', 'endpoint', 'choose_mult', 'tuning_mults', 'cell_losses', 'choices', 'plan', 'todo',
+           'train', 'work', 'collect', 'write_table', 'pilot_summary', 'ensure_data', 'main']
 
 # %% ../nbs/38_confirm.ipynb #5d1e21aa
 @dataclass(frozen=True)
@@ -137,8 +137,6 @@ def endpoint(summary: dict) -> float:
     "A finished run's final validation loss; NaN when it stopped at a non-finite step (its last loss is of an earlier step)."
     v = summary.get("final_val_loss")
     return math.nan if summary.get("stopped_reason") == "nan" or v is None else v
-
-def loss_or_inf(v) -> float: return v if v is not None and math.isfinite(v) else math.inf
 
 # %% ../nbs/38_confirm.ipynb #7d782b89
 def choose_mult(mults: list, losses: dict) -> float:
@@ -283,7 +281,7 @@ def write_table(out, rows: list) -> Path:
     return Path(out) / TABLE_PARQUET
 
 # %% ../nbs/38_confirm.ipynb #b66358b6
-def pilot_summary(design: Design, done: dict, seconds: dict | None = None) -> dict:
+def pilot_summary(design: Design, done: dict) -> dict:
     """The pilot's paired benefit (control - regime at x1, per unit) per format, its SD, the difference of the two formats'
     benefits per unit (the H3 contrast) and its SD, and the held-out units that give H3 80% power at that effect and SD."""
     reg = [r for r in design.pilot_regimes if r != design.control][0]
