@@ -6,8 +6,8 @@
 from __future__ import annotations
 import re
 from dataclasses import dataclass
-from .grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing
-from .optim import get_optimizer
+from .grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, Landing, get_landing
+from .optim import OptimizerSpec, get_optimizer
 
 # %% auto #0
 __all__ = ['UPDATE_RULES', 'UpdateRule', 'register_rule', 'get_rule', 'rule_of']
@@ -39,6 +39,16 @@ class UpdateRule:
                              f"{self.optimizer!r} has no absorb_error (altgrad.optim.OptimizerSpec)")
         if self.lr_scale is not None and not self.lr_scale > 0:
             raise ValueError(f"update rule {self.name!r}: lr_scale={self.lr_scale!r} must be > 0 or None")
+
+    @property
+    def landing_spec(self) -> Landing:
+        "Its landing rule's registry entry (`grid.LANDINGS`): what the landing can do (stochastic, residual, momentum)."
+        return get_landing(self.landing)
+
+    @property
+    def optimizer_spec(self) -> OptimizerSpec:
+        "Its optimizer's registry entry (`optim.OPTIMIZERS`): what the base rule can do (baseline, lands_own, absorb_error...)."
+        return get_optimizer(self.optimizer)
 
     def overrides(self) -> dict:
         "The `TrainConfig` keys this regime sets."

@@ -514,8 +514,8 @@ def update_rule_overrides(rules: str, overrides: dict) -> dict:
 def matrix_note(preset: str, steps: int, seed: int, overrides: dict, formats) -> str:
     "The settings paragraph of a rule matrix (see `altgrad.matrix`)."
     c = load_config(resolve_preset(preset), **{k: v for k, v in overrides.items() if k not in ("optimizer", "weight_update")})
-    from altgrad.optim import default_lr_scale
-    lrs = ", ".join(f"{o} {c.lr * default_lr_scale(o):.3g}" for o in ("adamw", "madam", "lion"))
+    from altgrad.optim import OPTIMIZERS, default_lr_scale
+    lrs = ", ".join(f"{o} {c.lr * default_lr_scale(o):.3g}" for o in OPTIMIZERS)
     return (f"Preset `{resolve_preset(preset)}`, {steps} steps, seed {seed}, formats {', '.join(formats)}; every 8-bit "
             f"layer's weights live on its grid (`master_weights=format`); FP32 shadow {'off' if overrides.get('shadow') is False else 'on'}; "
             f"peak learning rates (each optimizer's default multiple of the preset's; warmup, then cosine decay): {lrs}. Config overrides: "
