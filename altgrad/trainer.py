@@ -167,7 +167,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.lr * self.lr_scale, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                          self.dev_type, grid_params=grid_params(self.model, cfg),
                                          **({"seed": cfg.seed} if get_optimizer(cfg.optimizer).takes_seed else {}))
-        self.grid_step = GridStep(self.model, self.optimizer, get_optimizer(cfg.optimizer))   # what nanoGPT's optimizer.step() is
+        self.grid_step = GridStep(self.model, self.optimizer, cfg.regime.optimizer_spec)   # what nanoGPT's optimizer.step() is
         self.train_gen = torch.Generator().manual_seed(cfg.seed if cfg.data_seed is None else cfg.data_seed)   # the data order
         self.init_step = None                                     # a branch: the trunk step it started from
         self.shadow = FP32ShadowModel(self.model) if cfg.shadow else None
