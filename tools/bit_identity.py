@@ -55,29 +55,37 @@ def data_dir(path: Path) -> Path:
     return path
 
 
-def train(overrides: dict, data: Path, steps: int) -> dict:
+def train(overrides: dict, data: Path, steps: int, out: Path | None = None, stage: str = "whole") -> dict:
+    """Train `steps` steps and hash the state. `stage` 'half' stops after steps/2 with a checkpoint in `out`;
+    'rest' resumes that checkpoint (written by other code: the old checkpoints' stored config) and trains to `steps`."""
     from altgrad.config import load_config
     from altgrad.trainer import Trainer
     with tempfile.TemporaryDirectory() as d:
-        cfg = load_config("smoke", data_dir=str(data), out_dir=d, max_steps=steps, wandb_mode="disabled", shadow=False,
-                          eval_interval=steps, checkpoint_interval=10 * steps, seed=3, **overrides)
-        t = Trainer(cfg, progress=False); t.fit()
+        ck = dict(checkpoint_interval=10 * steps) if stage == "whole" else dict(checkpoint_interval=steps // 2)
+        cfg = load_config("smoke", data_dir=str(data), out_dir=str(out or d), max_steps=steps, wandb_mode="disabled",
+                          shadow=False, eval_interval=steps, seed=3, resume=stage == "rest", **ck, **overrides)
+        t = Trainer(cfg, progress=False)
+        if stage == "rest": assert t.step == steps // 2, t.step
+        t.fit(until=steps // 2 if stage == "half" else None)
         return state_hashes(t)
 
 
-def run(out: Path, data: Path, steps: int, only: list | None = None) -> dict:
+def run(out: Path, data: Path, steps: int, only: list | None = None, stage: str = "whole", ckpt: Path | None = None) -> dict:
+    "Every regime x format; `stage` 'half' / 'rest' (with `ckpt`, a folder): checkpoint at steps/2, then resume it."
     import torch
     torch.set_num_threads(1)
     from altgrad.regimes import UPDATE_RULES, get_rule
     import altgrad.config as C
-    named = "regime" in {f.name for f in __import__("dataclasses").fields(C.TrainConfig)}
+    named = stage == "whole" and "regime" in {f.name for f in __import__("dataclasses").fields(C.TrainConfig)}
     res = {}
     for name in (only or list(UPDATE_RULES)):
         rule = get_rule(name)
         for fmt in FORMATS:
-            res[f"{name}/{fmt}/flat"] = train({"fmt": fmt, **flat_keys(rule)}, data, steps)
+            where = ckpt / f"{name}-{fmt}" if ckpt else None
+            tag = "flat" if stage == "whole" else f"flat-{stage}"
+            res[f"{name}/{fmt}/{tag}"] = train({"fmt": fmt, **flat_keys(rule)}, data, steps, where, stage)
             if named: res[f"{name}/{fmt}/named"] = train({"fmt": fmt, "regime": name}, data, steps)
-            print(name, fmt, res[f"{name}/{fmt}/flat"], file=sys.stderr, flush=True)
+            print(name, fmt, res[f"{name}/{fmt}/{tag}"], file=sys.stderr, flush=True)
     out.write_text(json.dumps(dict(code=os.environ.get("PYTHONPATH", ""), steps=steps, hashes=res), indent=1) + "\n")
     return res
 
@@ -87,7 +95,7 @@ def compare(ref: Path, new: Path) -> int:
     a, b = json.loads(ref.read_text())["hashes"], json.loads(new.read_text())["hashes"]
     bad = 0
     for k, h in b.items():
-        base = a.get(k) or a.get(k.rsplit("/", 1)[0] + "/flat")
+        base = a.get(k) or a.get(k.rsplit("/", 1)[0] + "/flat")      # named and resumed runs: against the whole flat run
         ok = base == h
         bad += not ok
         print(f"{'same' if ok else 'DIFFERENT' if base else 'no reference'}  {k}")
@@ -102,11 +110,15 @@ def main(argv=None) -> int:
     r.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "altgrad_bit_identity_data"))
     r.add_argument("--compiled", action="store_true", help="compiled kernels (default: ALTGRAD_COMPILE=never)")
     r.add_argument("--only", nargs="*", help="these regimes only")
+    r.add_argument("--stage", choices=("whole", "half", "rest"), default="whole",
+                   help="half: stop at steps/2 with a checkpoint in --ckpt; rest: resume those checkpoints to the end")
+    r.add_argument("--ckpt", help="folder of the half-way checkpoints (--stage half/rest)")
     c = sub.add_parser("compare"); c.add_argument("ref"); c.add_argument("new")
     a = p.parse_args(argv)
     if a.cmd == "compare": return compare(Path(a.ref), Path(a.new))
     if not a.compiled: os.environ["ALTGRAD_COMPILE"] = "never"
-    run(Path(a.out), data_dir(Path(a.data)), a.steps, a.only)
+    if a.stage != "whole" and not a.ckpt: p.error("--stage half/rest needs --ckpt")
+    run(Path(a.out), data_dir(Path(a.data)), a.steps, a.only, a.stage, Path(a.ckpt) if a.ckpt else None)
     return 0
 
 
