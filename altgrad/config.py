@@ -5,7 +5,7 @@
 # %% ../nbs/05_config.ipynb #e1f88aea
 from __future__ import annotations
 import copy, difflib, os, re, sys, tempfile, types, typing
-from dataclasses import dataclass, field, fields, asdict
+from dataclasses import MISSING, dataclass, field, fields, asdict
 from pathlib import Path
 import yaml
 import torch
@@ -21,7 +21,7 @@ class ConfigError(ValueError):
     "A bad configuration value or key; the message names the key and what is allowed."
 
 # %% ../nbs/05_config.ipynb #135def66
-@dataclass
+@dataclass(init=False)
 class TrainConfig:
     "Everything that defines one training run (defaults: the phase-2 GPU baseline)."
     # --- model (nanoGPT) ---
@@ -96,7 +96,13 @@ class TrainConfig:
     compile: bool = False
 
 
-    def __post_init__(self): self.validate()
+    def __init__(self, **keys):
+        "Every key by keyword (the others: their defaults); the regime as `regime=` or, as saved configs spell it, `REGIME_KEYS`."
+        keys, names = fold_regime(keys, "TrainConfig()"), [f.name for f in fields(self)]
+        if any(k not in names for k in keys): check_keys(keys, "TrainConfig()")    # unknown keys: ConfigError, with suggestions
+        for f in fields(self):
+            setattr(self, f.name, keys[f.name] if f.name in keys else f.default_factory() if f.default is MISSING else f.default)
+        self.validate()
 
     def validate(self) -> TrainConfig:
         "Coerce values to their field types and check every constraint; raise `ConfigError` listing all problems."
