@@ -40,8 +40,8 @@ def grid_rules(rules) -> list[str]:
 def same_landing(rule: str, rules) -> str | None:
     "The AdamW regime among `rules` with `rule`'s landing and master weights, when `rule` uses another optimizer (else None)."
     r = get_rule(rule)
-    if r.optimizer == "adamw": return None
-    match = lambda q: q != rule and get_rule(q).optimizer == "adamw" and (get_rule(q).landing, get_rule(q).master_weights) == (r.landing, r.master_weights)
+    if r.optimizer_spec.baseline: return None
+    match = lambda q: q != rule and get_rule(q).optimizer_spec.baseline and (get_rule(q).landing, get_rule(q).master_weights) == (r.landing, r.master_weights)
     return next((q for q in rules if match(q)), None)
 
 def mechanism_of(run) -> dict:
@@ -107,13 +107,14 @@ def save_figure(fig, path: Path) -> str:
 # %% ../nbs/35_answer.ipynb #5dc5fee1
 def landing_note(rules) -> list[str]:
     "A protocol bullet on how the regimes with another optimizer than AdamW land their updates (empty: there are none)."
-    others = [q for q in rules if get_rule(q).master_weights == "format" and get_rule(q).optimizer != "adamw"]
+    others = [q for q in rules if get_rule(q).master_weights == "format" and not get_rule(q).optimizer_spec.baseline]
     if not others: return []
     r = get_rule(others[0]); twin = same_landing(others[0], rules)
     how = rule_label(twin) if twin else r.landing
-    madam = any(get_rule(q).optimizer == "madam" and get_rule(q).landing == "stochastic" for q in others)
+    own = [get_rule(q).optimizer_spec.lands_own for q in others if get_rule(q).landing_spec.stochastic]
+    own = next((o for o in own if o), None)            # an optimizer that lands its own weights follows the landing's rounding
     return [f"- **Landing of {' and '.join(others)}**: {how} (`weight_update={r.landing}`"
-            + ("; E7M0's integer-exponent Madam rounds its exponent step stochastically too" if madam else "") + ")."
+            + (f"; {own} rounds its exponent step stochastically too" if own else "") + ")."
             + f" Their benefit over nearest therefore includes {how}'s; *The optimizer at the same landing* separates the two."]
 
 # %% ../nbs/35_answer.ipynb #35a00027

@@ -4,25 +4,25 @@
 
 # %% ../nbs/05_config.ipynb #e1f88aea
 from __future__ import annotations
-import difflib, os, re, sys, tempfile, types, typing
-from dataclasses import dataclass, field, fields, asdict
+import copy, difflib, os, re, sys, tempfile, types, typing
+from dataclasses import MISSING, dataclass, field, fields, asdict
 from pathlib import Path
 import yaml
 import torch
 from .formats import get_format
 
 # %% auto #0
-__all__ = ['KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS', 'RESEARCH_KEYS', 'ConfigError',
-           'TrainConfig', 'renamed_keys', 'missing_keys', 'config_keys_help', 'check_keys', 'preset_path',
-           'load_config', 'parse_value', 'parse_overrides', 'save_config', 'resolve_device', 'autocast_dtype',
-           'research_choices']
+__all__ = ['REGIME_KEYS', 'KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS', 'RESEARCH_KEYS',
+           'ConfigError', 'TrainConfig', 'regime_keys', 'as_rule', 'rule_from_keys', 'fold_regime', 'merge_keys',
+           'renamed_keys', 'missing_keys', 'config_keys_help', 'check_keys', 'preset_path', 'load_config',
+           'parse_value', 'parse_overrides', 'save_config', 'resolve_device', 'autocast_dtype', 'research_choices']
 
 # %% ../nbs/05_config.ipynb #0c920285
 class ConfigError(ValueError):
     "A bad configuration value or key; the message names the key and what is allowed."
 
 # %% ../nbs/05_config.ipynb #135def66
-@dataclass
+@dataclass(init=False)
 class TrainConfig:
     "Everything that defines one training run (defaults: the phase-2 GPU baseline)."
     # --- model (nanoGPT) ---
@@ -54,15 +54,12 @@ class TrainConfig:
     block_size_q: int = 32
     amax_history_len: int = 16
     amax_algo: str = "max"
-    master_weights: str = "fp32"
     quantize_grads: bool = False
     rounding: str = "nearest"
     margin: int = 0
-    # --- update regime (altgrad.regimes: landing rule altgrad.grid, base rule altgrad.optim) ---
-    optimizer: str = "adamw"
+    # --- update regime: one value, a registered name or an UpdateRule (altgrad.regimes; old configs: REGIME_KEYS) ---
+    regime: object = "fp32"
     lr_scale: float | None = None
-    weight_update: str = "nearest"
-    residual_dtype: str = "fp32"
     layer_formats: list = field(default_factory=list)
     interventions: bool = False
     stop_on_nan: bool = False
@@ -100,7 +97,13 @@ class TrainConfig:
     compile: bool = False
 
 
-    def __post_init__(self): self.validate()
+    def __init__(self, **keys):
+        "Every key by keyword (the others: their defaults); the regime as `regime=` or, as saved configs spell it, `REGIME_KEYS`."
+        keys, names = fold_regime(keys, "TrainConfig()"), [f.name for f in fields(self)]
+        if any(k not in names for k in keys): check_keys(keys, "TrainConfig()")    # unknown keys: ConfigError, with suggestions
+        for f in fields(self):
+            setattr(self, f.name, keys[f.name] if f.name in keys else f.default_factory() if f.default is MISSING else f.default)
+        self.validate()
 
     def validate(self) -> TrainConfig:
         "Coerce values to their field types and check every constraint; raise `ConfigError` listing all problems."
@@ -116,20 +119,30 @@ class TrainConfig:
         "Tokens per optimizer step of one process (one rank); a `torchrun` job of N ranks trains N times as many (`Trainer.tokens_per_step`)."
         return self.batch_size * self.grad_accum * self.block_size
 
+    # the regime's parts, read-only (set `regime`): where the weights live, the landing, the base optimizer, the residual
+    master_weights = property(lambda self: self.regime.master_weights)
+    weight_update = property(lambda self: self.regime.landing)
+    optimizer = property(lambda self: self.regime.optimizer)
+    residual_dtype = property(lambda self: self.regime.residual_dtype)
+
     def to_dict(self) -> dict:
-        "Plain (YAML/JSON-serialisable) dict of every field."
-        return asdict(self)
+        "Plain (YAML/JSON-serialisable) dict of every key, the regime spelled as `REGIME_KEYS` (as every saved config has it)."
+        flat, out = regime_keys(self.regime), {}
+        for f in fields(self):
+            if f.name != "regime": out[f.name] = copy.deepcopy(getattr(self, f.name))
+            out.update({k: flat[k] for k in _SPELLED_AFTER.get(f.name, ())})
+        return out
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> TrainConfig:
-        "Build from a dict (renamed keys mapped, see `RENAMED_KEYS`); unknown keys raise `ConfigError` naming them."
+        "Build from a dict (renamed keys mapped, see `RENAMED_KEYS`; `REGIME_KEYS` folded into `regime`); unknown keys raise `ConfigError`."
         d = renamed_keys(d, source)
         check_keys(d, source)
-        return cls(**d)
+        return cls(**fold_regime(d, source))
 
     def replace(self, **changes) -> TrainConfig:
-        "A validated copy with `changes` applied."
-        return TrainConfig.from_dict({**self.to_dict(), **changes}, source="replace()")
+        "A validated copy with `changes` applied (a `regime` replaces the whole regime; `REGIME_KEYS` change parts of it)."
+        return TrainConfig.from_dict(merge_keys(self.to_dict(), changes), source="replace()")
 
 # %% ../nbs/05_config.ipynb #c69420b5
 _CHOICES = {
@@ -154,12 +167,6 @@ _RANGES = {
 }
 _NONE_WORDS = ("none", "null", "~")
 
-def _registry_choices() -> dict:
-    "Choices read from the registries (formats aside): landings, optimizers, where weights live, residual storage."
-    from altgrad.grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES
-    from altgrad.optim import OPTIMIZERS
-    return dict(master_weights=MASTER_WEIGHTS, optimizer=tuple(OPTIMIZERS), weight_update=tuple(LANDINGS),
-                residual_dtype=RESIDUAL_DTYPES)
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 def _field_types() -> dict:
@@ -231,9 +238,13 @@ def _validate(cfg: TrainConfig):
         try: setattr(cfg, key, _coerce(key, getattr(cfg, key), tp))
         except ConfigError as e: errors.append(str(e))
     if errors: raise ConfigError("invalid config: " + "; ".join(errors))
-    for key, allowed in {**_CHOICES, **_registry_choices()}.items():
+    for key, allowed in _CHOICES.items():
         v = getattr(cfg, key)
         if v not in allowed: errors.append(f"{key}={v!r} is not one of {', '.join(repr(a) for a in allowed)}")
+    try: cfg.regime = as_rule(cfg.regime)              # the regime's own checks (UpdateRule): the one validation of it
+    except ValueError as e: errors.append(str(e))
+    else:
+        if cfg.lr_scale is None and cfg.regime.lr_scale is not None: cfg.lr_scale = cfg.regime.lr_scale
     for key, rng in _RANGES.items():
         v = getattr(cfg, key)
         if v is not None and (msg := _check_range(key, v, *rng)): errors.append(msg)
@@ -249,18 +260,46 @@ def _validate(cfg: TrainConfig):
         if isinstance(rule[1], str) and rule[1].strip().lower() in _NONE_WORDS: rule[1] = None
         if rule[1] is not None and (msg := _check_format(f"layer_formats[{i}] format", rule[1])): errors.append(msg)
     if not all(isinstance(t, str) for t in cfg.wandb_tags): errors.append(f"wandb_tags must be a list of strings, got {cfg.wandb_tags!r}")
-    from altgrad.grid import LANDINGS
-    if cfg.weight_update in LANDINGS and LANDINGS[cfg.weight_update].momentum:
-        from altgrad.optim import OPTIMIZERS
-        if cfg.optimizer in OPTIMIZERS and OPTIMIZERS[cfg.optimizer].absorb_error is None:
-            errors.append(f"weight_update={cfg.weight_update!r} folds the landing error into the optimizer's momentum, and optimizer="
-                          f"{cfg.optimizer!r} cannot take it; use one whose registry entry has absorb_error: "
-                          + ", ".join(n for n, o in OPTIMIZERS.items() if o.absorb_error is not None))
-    if cfg.weight_update in LANDINGS and (LANDINGS[cfg.weight_update].residual or LANDINGS[cfg.weight_update].momentum) \
-            and cfg.master_weights != "format":
-        errors.append(f"weight_update={cfg.weight_update!r} needs master_weights='format': error feedback carries what rounding onto the 8-bit "
-                      "grid lost, and with FP32 master weights nothing is lost (the FP32 copy already keeps every update)")
     if errors: raise ConfigError("invalid config: " + "; ".join(errors))
+
+# %% ../nbs/05_config.ipynb #e2946298
+REGIME_KEYS = ("master_weights", "weight_update", "optimizer", "residual_dtype")   # the regime as saved configs spell it
+_SPELLED_AFTER = {"amax_algo": ("master_weights",), "regime": ("optimizer",), "lr_scale": ("weight_update", "residual_dtype")}
+
+def regime_keys(rule) -> dict:
+    "The regime `rule` (an `UpdateRule`) spelled as `REGIME_KEYS`, as every saved config and checkpoint stores it."
+    return dict(master_weights=rule.master_weights, weight_update=rule.landing, optimizer=rule.optimizer,
+                residual_dtype=rule.residual_dtype)
+
+def as_rule(value):
+    "The `UpdateRule` that `regime=value` names: an `UpdateRule` as it is, a registered name looked up (else the valid names)."
+    from altgrad.regimes import UpdateRule, get_rule
+    if isinstance(value, UpdateRule): return value
+    if isinstance(value, str): return get_rule(value)
+    raise ValueError(f"regime must be a registered rule name or an altgrad.regimes.UpdateRule, got {value!r}")
+
+def rule_from_keys(keys: dict, lr_scale=None):
+    "The regime that `REGIME_KEYS` values ran: the registered rule they spell, else an unregistered `UpdateRule` 'custom'."
+    from altgrad.regimes import UPDATE_RULES, UpdateRule, rule_of
+    try: r = UPDATE_RULES[rule_of({**keys, "lr_scale": lr_scale})]
+    except ValueError: r = None
+    if r is not None and regime_keys(r) == keys: return r
+    return UpdateRule(r.name if r else "custom", r.label if r else "custom update regime", keys["master_weights"],
+                      keys["weight_update"], keys["optimizer"], residual_dtype=keys["residual_dtype"])
+
+def fold_regime(d: dict, source: str = "config") -> dict:
+    "`d` with `REGIME_KEYS` folded into its `regime` (they change parts of a given one, else of 'fp32'); bad values: ConfigError."
+    if not any(k in d for k in REGIME_KEYS): return d
+    out = {k: v for k, v in d.items() if k not in REGIME_KEYS}
+    try: out["regime"] = rule_from_keys({**regime_keys(as_rule(d.get("regime", "fp32"))), **{k: d[k] for k in REGIME_KEYS if k in d}},
+                                        d.get("lr_scale"))
+    except ValueError as e: raise ConfigError(f"invalid config (in {source}): {e}") from None
+    return out
+
+def merge_keys(base: dict, top: dict) -> dict:
+    "`{**base, **top}`, except that a `regime` in `top` replaces the whole regime of `base` (its `regime` and `REGIME_KEYS`)."
+    if "regime" in top: base = {k: v for k, v in base.items() if k != "regime" and k not in REGIME_KEYS}
+    return {**base, **top}
 
 # %% ../nbs/05_config.ipynb #de19093f
 KEY_DOCS = {   # one line per TrainConfig key: what it means (allowed values are checked by _CHOICES / _RANGES)
@@ -280,14 +319,12 @@ KEY_DOCS = {   # one line per TrainConfig key: what it means (allowed values are
     "scaling": "'delayed' (amax history) | 'current' (this tensor's amax)",
     "granularity": "scale per 'tensor' | 'channel' | 'block'", "block_size_q": "elements per scaling block (granularity='block')",
     "amax_history_len": "steps of amax history (delayed scaling)", "amax_algo": "'max' | 'most_recent' over the amax history",
-    "master_weights": "where the weights live: 'fp32' master copy | 'format' (on the 8-bit grid)",
     "quantize_grads": "also quantize the weight gradients",
     "rounding": "rounding of the GEMM operands W, A, G: 'nearest' | 'stochastic' (training steps only)",
     "margin": "scale margin: amax maps to the format's max / 2**margin",
-    "optimizer": "base rule proposing the FP32 update (altgrad.optim.OPTIMIZERS: adamw, madam, lion)",
+    "regime": "update regime: a registered name (altgrad.regimes.UPDATE_RULES: fp32, nearest, stochastic, kahan, eco, madam, lion, ...) "
+              "or an UpdateRule; the old keys master_weights, weight_update, optimizer, residual_dtype set its parts",
     "lr_scale": "optimizer lr = schedule lr x lr_scale (None: the optimizer's default, optim.default_lr_scale)",
-    "weight_update": "how w + u lands on the grid with master_weights='format' (altgrad.grid.LANDINGS: nearest, stochastic, kahan)",
-    "residual_dtype": "storage of a landing residual (kahan): 'fp32' | 'bf16' | 'format' (8 bits, own scale)",
     "layer_formats": "[[pattern, format-or-None], ...] per-layer formats, first match wins (fmt covers the rest)",
     "interventions": "grid-aware update interventions on/off",
     "stop_on_nan": "stop at the first non-finite loss instead of after nan_patience steps",
@@ -337,13 +374,15 @@ def renamed_keys(d: dict, source: str = "config") -> dict:
 def missing_keys(saved: dict) -> list[str]:
     "Keys a saved config (e.g. an old `config.yaml`) lacks whose default may differ from what ran (renames and `BACKWARD_DEFAULTS` excepted)."
     have = {RENAMED_KEYS.get(k, k) for k in saved}
-    return [f.name for f in fields(TrainConfig) if f.name not in have and f.name not in BACKWARD_DEFAULTS]
+    if "regime" in have: have |= set(REGIME_KEYS)                        # the regime in one key: all of its parts
+    return [k for k in TrainConfig().to_dict() if k not in have and k not in BACKWARD_DEFAULTS]
 
 def config_keys_help() -> str:
     "Every config key with its default and its one-line meaning (the key list of `altgrad-train --help`)."
     cfg, rows = TrainConfig(), []
     for f in fields(TrainConfig):
-        rows.append((f"{f.name}={getattr(cfg, f.name)!r}".replace("'", ""), KEY_DOCS[f.name]))
+        v = getattr(cfg, f.name)
+        rows.append((f"{f.name}={v.name if f.name == 'regime' else v!r}".replace("'", ""), KEY_DOCS[f.name]))
     w = max(len(a) for a, _ in rows)
     return "config keys with their defaults (a preset overrides some; key=value on the command line, key: value in YAML):\n" + \
         "\n".join(f"  {a:<{w}}  {b}" for a, b in rows)
@@ -351,7 +390,7 @@ def config_keys_help() -> str:
 # %% ../nbs/05_config.ipynb #0684a9a2
 def check_keys(d: dict, source: str = "config"):
     "Raise `ConfigError` for keys of `d` that are not `TrainConfig` fields, suggesting the nearest (`KEY_ALIASES`, then `difflib`)."
-    valid = [f.name for f in fields(TrainConfig)]
+    valid = [f.name for f in fields(TrainConfig)] + list(REGIME_KEYS)      # (the regime's old keys are valid input)
     bad = [k for k in d if k not in valid]
     if not bad: return
     msgs = []
@@ -404,19 +443,19 @@ def _resolve(spec, _seen=()) -> dict:
     check_keys(data, str(p))
     if base is None: return data
     if not (isinstance(base, str) and base in PRESETS): base = str(p.parent / str(base))
-    return {**_resolve(base, _seen + (p.resolve(),)), **data}
+    return merge_keys(_resolve(base, _seen + (p.resolve(),)), data)
 
 def load_config(path_or_preset: str | os.PathLike | None = None, **overrides) -> TrainConfig:
     "Config from a preset name or YAML file (optionally `preset: NAME` + overrides), then keyword `overrides`."
     d = {} if path_or_preset is None else _resolve(path_or_preset)
     overrides = renamed_keys(overrides, "overrides")
     check_keys(overrides, "overrides")
-    return TrainConfig.from_dict({**d, **overrides}, source=str(path_or_preset))
+    return TrainConfig.from_dict(merge_keys(d, overrides), source=str(path_or_preset))
 
 # %% ../nbs/05_config.ipynb #be036d47
 def parse_value(key: str, text: str):
     "Typed value of CLI string `text` for config field `key`."
-    types_ = _field_types()
+    types_ = {**_field_types(), **{k: str for k in REGIME_KEYS}}
     tp = types_.get(RENAMED_KEYS.get(key, key))
     if tp is None: check_keys({key: None}, "command line")
     base, optional = _unwrap_optional(tp)

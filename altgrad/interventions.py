@@ -46,7 +46,7 @@ class Interventions:
     "Per-layer partition-relative clipping on overflow, and exponent shifts on persistent NaN (range) or lost updates (precision)."
     def __init__(self, cfg=None, *, overflow_threshold: float | None = None, bit_stall_threshold: float | None = None,
                  warmup_steps: int | None = None, nan_patience: int = 3, stall_patience: int = 3, clip_k: float = CLIP_K):
-        src = cfg if isinstance(cfg, dict) else vars(cfg) if cfg is not None else {}
+        src = cfg if isinstance(cfg, dict) else cfg.to_dict() if hasattr(cfg, "to_dict") else vars(cfg) if cfg is not None else {}
         get = lambda k, v, d: v if v is not None else src.get(k, d)
         self.overflow_threshold = float(get("overflow_threshold", overflow_threshold, 0.01))
         self.bit_stall_threshold = float(get("bit_stall_threshold", bit_stall_threshold, 0.5))

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 from torch import nn
 from .formats import _noise23
+from .grid import get_landing
 
 # %% auto #0
 __all__ = ['EXP_ROUNDINGS', 'GRID_KEYS', 'OPTIMIZERS', 'Lion', 'sr_seed', 'round_exponent', 'max_whole_shift', 'Madam',
@@ -184,6 +185,8 @@ class OptimizerSpec:
     decay_shrink: Callable[[float, float], float] = decoupled_shrink   # (group lr, group λ) -> c: one step's decay gives (1 - c) w
     intended: Callable | None = None      # (optimizer) -> {weight: the update it meant before landing on the grid itself}
     absorb_error: Callable | None = None  # (optimizer, weight, landing error) -> None: folds the error into its state (ECO)
+    baseline: bool = False        # the reference base rule: regimes of other optimizers are compared with its regime at the same landing
+    lands_own: str | None = None  # puts some weights on the grid itself (see `intended`): in words, for write-ups (None: never)
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {}
 
@@ -247,8 +250,9 @@ def _madam(params, lr, weight_decay, betas, device_type, grid, **kwargs):
     return Madam(base + list(extra.values()), lr=lr, **kwargs)
 
 def madam_grid_params(layers, cfg) -> dict | None:
-    "Madam on exponent-only grids (E7M0) with the weights on the grid: the integer-exponent (LNS-Madam) form, whole codes."
-    out = {m.weight: dict(integer_exponent=True, exp_rounding="stochastic" if cfg.weight_update == "stochastic" else "nearest",
+    """Madam on exponent-only grids (E7M0) with the weights on the grid: the integer-exponent (LNS-Madam) form, whole codes,
+    rounding the exponent stochastically under a stochastic landing (`grid.Landing.stochastic`), else to nearest."""
+    out = {m.weight: dict(integer_exponent=True, exp_rounding="stochastic" if get_landing(cfg.weight_update).stochastic else "nearest",
                           seed=cfg.seed + 1000 * i)
            for i, (_, m) in enumerate(layers) if m.fmt.man_bits == 0}
     return out or None
@@ -264,10 +268,11 @@ def adamw_absorb_error(optimizer, p: torch.Tensor, e: torch.Tensor):
     vhat = st["exp_avg_sq"] / (1 - b2 ** t)
     st["exp_avg"].add_(((1 - b1 ** t) / lr * (1 - 1 / b1)) * (vhat.sqrt() + g["eps"]) * e.to(st["exp_avg"].dtype))
 
-register_optimizer(OptimizerSpec("adamw", _adamw, absorb_error=adamw_absorb_error))
+register_optimizer(OptimizerSpec("adamw", _adamw, absorb_error=adamw_absorb_error, baseline=True))
 
 register_optimizer(OptimizerSpec("madam", _madam, lr_scale=10.0, wd_divisor=10.0 * math.log(2), takes_seed=True,
-                                 grid_params=madam_grid_params, decay_shrink=multiplicative_shrink, intended=lambda opt: opt.intended))
+                                 grid_params=madam_grid_params, decay_shrink=multiplicative_shrink, intended=lambda opt: opt.intended,
+                                 lands_own="E7M0's integer-exponent Madam"))
 register_optimizer(OptimizerSpec("lion", _lion, lr_scale=0.3, wd_divisor=0.3))
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),

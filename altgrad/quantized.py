@@ -17,14 +17,13 @@ from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_sc
 from .diagnostics import bit_histogram, range_edges
 from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_distributed
 from .notice import notice
-from .grid import (LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, land, regrid_scale, store_residual, update_stats, stats_dict, STAT_FIELDS,
-                          ratio_histogram)
+from .grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, stats_dict, STAT_FIELDS, ratio_histogram
 
 # %% auto #0
 __all__ = ['SCALINGS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer', 'QuantizedLinear',
-           'LayerFormat', 'quantize_model', 'quantize_model_from_config', 'quantized_layers', 'quant_pre_step',
-           'quant_post_step', 'commit_amax', 'set_distributed', 'set_accumulation', 'pending_amax', 'load_pending_amax',
-           'quant_metrics', 'quant_histograms']
+           'LayerFormat', 'quantize_model', 'quantize_model_from_config', 'quantized_layers', 'commit_amax',
+           'set_distributed', 'set_accumulation', 'pending_amax', 'load_pending_amax', 'quant_metrics',
+           'quant_histograms']
 
 # %% ../nbs/20_quantized.ipynb #5b149faf
 SCALINGS = ("delayed", "current")
@@ -504,80 +503,6 @@ def quantized_layers(model: nn.Module) -> list[tuple[str, QuantizedLinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
 
 # %% ../nbs/20_quantized.ipynb #247e5674
-_ROLES = ("w", "a", "g", "dw")
-
-@torch.no_grad()
-def quant_pre_step(model: nn.Module, snapshot: dict[str, torch.Tensor] | None = None):
-    """Before `optimizer.step()`: quantize weight gradients (`quantize_grads`) and snapshot weights for bit-stall.
-
-    `snapshot` (`metrics.snapshot_params(model)`, taken after the last change to the weights) is reused instead of
-    copying each quantized weight again."""
-    snapshot = snapshot or {}
-    for name, m in quantized_layers(model):
-        w = m.weight
-        if m.qdw is not None and w.grad is not None: w.grad.copy_(m.qdw.quantize(w.grad, train=True))
-        before = snapshot.get(f"{name}.weight")
-        m._snapshot = before if before is not None and before.shape == w.shape else w.detach().clone()
-
-@torch.no_grad()
-def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict | None = None) -> dict:
-    """After `optimizer.step()`: land the weights on the grid (`master_weights='format'`) and measure the update.
-
-    The optimizer proposed `u = w - w_before` (FP32). With weights on the grid, the new scale comes from the *updated*
-    weight (`grid.regrid_scale`: kept while T/4 < amax*s <= T + ulp(T)/2, else moved by a power of two into (T/2, T]),
-    `w_before + u` lands on that grid by the layer's `weight_update` rule (`grid.land`), and the new amax goes into the
-    W quantizer's history. Every layer then records `grid.update_stats` of the step: measured stall (the quantized
-    weight did not change; with FP32 master weights, under the scale the last forward used), `r = |u|/ulp`, fidelity
-    of the stored weight, flip-back, zero/subnormal codes and the kahan residual.
-
-    `decay` {weight parameter: c} gives the step's weight-decay shrink factor (w -> (1 - c) w); for weights on the grid
-    the intended decay term `-c w` is then also landed alone by the layer's rule, and its fidelity is logged as
-    `decay_kept/<layer>`: a decay term far below half a grid step is lost under `nearest`.
-
-    `intended` {weight parameter: update}: an optimizer that lands on the grid itself (integer-exponent Madam on
-    E7M0, see `altgrad.optim.Madam.intended`) gives the update it would have made before its own rounding; the
-    mechanism metrics are measured against that, since `w - w_before` is then already on the grid. Returns {}."""
-    for _, m in quantized_layers(model):
-        before, m._snapshot = m._snapshot, None
-        q, w = m.qw, m.weight
-        if before is None: continue
-        u = w.detach().float() - before.float()
-        if m.on_grid:
-            s_old = m.grid_scale
-            landing = LANDINGS[m.weight_update]
-            res = m.residual.float() if landing.residual and m.residual.shape == w.shape else None
-            aim = w.detach().float() if res is None else w.detach().float() + res      # the value that lands
-            s_new = regrid_scale(amax_of(aim, q.granularity, q.block_size), s_old, q.fmt, q.margin, m.weight_update)
-            gen = sr_generator(m.seed, m.layer_id, int(m.updates)) if landing.stochastic else None
-            sn = expand_scale(s_new, w, q.granularity, q.block_size)
-            w_new, c = land(before, u, q.qfmt, sn, m.weight_update, res, gen)
-            w.copy_(w_new.to(w.dtype))
-            if c is not None: m.residual = store_residual(c, m.residual_dtype, q.fmt)
-            m._landing_error = before.float() + u - w_new if landing.momentum else None   # ECO: for the optimizer's momentum
-            m.grid_scale = s_new
-            if q.delayed: q.history.update(amax_of(w_new, q.granularity, q.block_size))
-            se = expand_scale(s_old, w, q.granularity, q.block_size)
-            prev = m.w_prev if m.w_prev.shape == w.shape else None
-            ui = (intended or {}).get(w)
-            us = u if ui is None else ui.detach().float()                # the update the optimizer meant
-            m._stall = update_stats(before, us, w_new, q.qfmt, se, w_prev2=prev, residual=c)
-            cd = (decay or {}).get(w)
-            if cd:                                           # the decay term alone, landed by the same rule
-                d = -cd * before.float()
-                rule = "nearest" if landing.residual else m.weight_update      # the decay alone carries no residual
-                gd = sr_generator(m.seed, m.layer_id, int(m.updates), 1) if LANDINGS[rule].stochastic else None
-                dl = land(before, d, q.qfmt, sn, rule, None, gd)[0] - before.float()
-                m._decay = torch.stack([(dl * d).sum(dtype=torch.float64), (d * d).sum(dtype=torch.float64)])
-            m._last_update = (before, us, se)
-            m.w_prev = before
-            m.updates += 1
-        elif q.scale.numel():
-            se = expand_scale(q.scale, w, q.granularity, q.block_size)
-            # fidelity of the stored (FP32) weight; stall of the quantized view the forward uses
-            m._stall = update_stats(before, u, w.detach(), q.qfmt, se, view_stall=True)
-            m._last_update = (before, u, se)
-    return {}
-
 def commit_amax(model: nn.Module):
     """End of an optimizer step's micro-batches: push each deferred amax into its history (see `set_accumulation`).
 

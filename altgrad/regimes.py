@@ -6,8 +6,8 @@
 from __future__ import annotations
 import re
 from dataclasses import dataclass
-from .grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing
-from .optim import get_optimizer
+from .grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, Landing, get_landing
+from .optim import OPTIMIZERS, OptimizerSpec, get_optimizer
 
 # %% auto #0
 __all__ = ['UPDATE_RULES', 'UpdateRule', 'register_rule', 'get_rule', 'rule_of']
@@ -33,12 +33,25 @@ class UpdateRule:
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"update rule {self.name!r}: residual_dtype={self.residual_dtype!r} is not one of {', '.join(map(repr, RESIDUAL_DTYPES))}")
         if (landing.residual or landing.momentum) and self.master_weights != "format":
-            raise ValueError(f"update rule {self.name!r}: landing {self.landing!r} carries a residual and needs master_weights='format'")
+            raise ValueError(f"update rule {self.name!r}: weight_update={self.landing!r} needs master_weights='format': error feedback "
+                             "carries what rounding onto the 8-bit grid lost, and with FP32 master weights nothing is lost "
+                             "(the FP32 copy already keeps every update)")
         if landing.momentum and get_optimizer(self.optimizer).absorb_error is None:
-            raise ValueError(f"update rule {self.name!r}: landing {self.landing!r} feeds the optimizer's momentum and optimizer "
-                             f"{self.optimizer!r} has no absorb_error (altgrad.optim.OptimizerSpec)")
+            raise ValueError(f"update rule {self.name!r}: weight_update={self.landing!r} folds the landing error into the optimizer's "
+                             f"momentum, and optimizer={self.optimizer!r} cannot take it; use one whose registry entry has absorb_error "
+                             f"(altgrad.optim.OptimizerSpec): {', '.join(n for n, o in OPTIMIZERS.items() if o.absorb_error is not None)}")
         if self.lr_scale is not None and not self.lr_scale > 0:
             raise ValueError(f"update rule {self.name!r}: lr_scale={self.lr_scale!r} must be > 0 or None")
+
+    @property
+    def landing_spec(self) -> Landing:
+        "Its landing rule's registry entry (`grid.LANDINGS`): what the landing can do (stochastic, residual, momentum)."
+        return get_landing(self.landing)
+
+    @property
+    def optimizer_spec(self) -> OptimizerSpec:
+        "Its optimizer's registry entry (`optim.OPTIMIZERS`): what the base rule can do (baseline, lands_own, absorb_error...)."
+        return get_optimizer(self.optimizer)
 
     def overrides(self) -> dict:
         "The `TrainConfig` keys this regime sets."

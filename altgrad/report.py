@@ -343,6 +343,11 @@ def fmt_num(v, spec: str = ".4g") -> str:
     return format(v, spec) if isinstance(v, (int, float)) else str(v)
 
 # %% ../nbs/30_report.ipynb #bb88be59
+def _carries_residual(landing) -> bool:
+    "Does the landing rule `landing` carry a residual to the next step (`grid.Landing.residual`; unknown names: no)?"
+    from altgrad.grid import LANDINGS
+    return bool(landing in LANDINGS and LANDINGS[landing].residual)
+
 def _residual_text(cfg: dict) -> str:
     "How the kahan residual is stored and what it costs per parameter (`altgrad.grid.RESIDUAL_BYTES`)."
     res = cfg.get("residual_dtype") or "fp32"
@@ -375,7 +380,7 @@ def precision_note(run: Run) -> str:
         L.append(f"**Weights:** stored on the {run.fmt} grid after every optimizer step (`master_weights=format`; "
                  f"update rule `weight_update={wu}`): " + (
                      f"what rounding drops is carried to the next step in a per-weight residual ({_residual_text(cfg)})."
-                     if wu == "kahan" else "updates the grid cannot hold are lost."))
+                     if _carries_residual(wu) else "updates the grid cannot hold are lost."))
     else:
         L.append(f"**Weights:** an FP32 master copy, re-quantized to {run.fmt} for every forward pass (`master_weights=fp32`).")
     return " ".join(L)
@@ -448,7 +453,7 @@ def mechanism_rule(run: Run) -> str:
                 f"stall is that of the 8-bit view the forward uses; ρ measures the FP32 copy.")
     wu = cfg.get("weight_update") or "nearest"
     s = f"Rule: `weight_update={wu}` lands w + u on the {run.fmt} grid, {base}."
-    if wu == "kahan": s += f" The kahan residual costs {_residual_text(cfg)}."
+    if _carries_residual(wu): s += f" The {wu} residual costs {_residual_text(cfg)}."
     return s
 
 MECHANISM_LABELS = {   # what each curve of `plot_mechanism` measures, by where the weights live

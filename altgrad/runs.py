@@ -242,12 +242,14 @@ def write_synthetic_run(d, steps: int = 50, nan_at: int | None = None, fmt: str 
                         residual_dtype: str = "fp32", histograms: bool = True) -> Path:
     "Write a small fake run folder (metrics, alerts, summary, config, histograms) for tests and examples."
     import yaml
+    from altgrad.grid import LANDINGS
     d = Path(d); d.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     recs, first_nan = [], None
     last_step = min(steps, stop_at or steps)
     for s in range(1, last_step + 1):
-        r = _syn_record(s, rng, fmt, shadow, cos, divergence_at, lost_update, mechanism, master_weights == "format", weight_update == "kahan")
+        r = _syn_record(s, rng, fmt, shadow, cos, divergence_at, lost_update, mechanism, master_weights == "format",
+                        LANDINGS[weight_update].residual)
         loss = r["train/loss"]
         if nan_at and s >= nan_at:
             r["train/loss"] = float("nan"); first_nan = first_nan or s

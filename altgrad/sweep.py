@@ -12,7 +12,7 @@ import torch
 from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides, research_choices
 from .formats import get_format, grid_equivalent, equivalent_formats
 from .data import prepare_eurlex, shared_data_dir, load_meta, unigram_baseline
-from .optim import default_lr_scale
+from .optim import OPTIMIZERS, default_lr_scale
 from .trainer import Trainer, Interrupted
 from .regimes import UPDATE_RULES, get_rule
 from .runs import Run, load_run, REUSED_FILE, DONE, run_status, check_run, config_reasons, data_identity, ignored_key
@@ -446,7 +446,7 @@ def update_rule_overrides(rules: str, overrides: dict) -> dict:
 def matrix_note(preset: str, steps: int, seed: int, overrides: dict, formats) -> str:
     "The settings paragraph of a rule matrix (see `altgrad.matrix`)."
     c = load_config(resolve_preset(preset), **{k: v for k, v in overrides.items() if k not in ("optimizer", "weight_update")})
-    lrs = ", ".join(f"{o} {c.lr * default_lr_scale(o):.3g}" for o in ("adamw", "madam", "lion"))
+    lrs = ", ".join(f"{o} {c.lr * default_lr_scale(o):.3g}" for o in OPTIMIZERS)
     return (f"Preset `{resolve_preset(preset)}`, {steps} steps, seed {seed}, formats {', '.join(formats)}; every 8-bit "
             f"layer's weights live on its grid (`master_weights=format`); FP32 shadow {'off' if overrides.get('shadow') is False else 'on'}; "
             f"peak learning rates (each optimizer's default multiple of the preset's; warmup, then cosine decay): {lrs}. Config overrides: "

@@ -26,6 +26,7 @@ from .metrics import gradient_metrics, snapshot_params, zero_update_metrics, non
 from .diagnostics import DeadNeuronTracker
 from .optim import build_optimizer, default_lr_scale, get_optimizer
 from . import quantized
+from .step import GridStep
 from .interventions import Interventions
 from .distributed import (init_distributed, device_for, destroy_distributed, all_reduce_sum, all_true,
                                  broadcast_object, all_gather_object, barrier, sigterm_as_exit)
@@ -35,9 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
 __all__ = ['lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists', 'run_state', 'move_to_previous', 'claim_out_dir',
-           'Trainer', 'decay_factors', 'lr_scale_of', 'grid_params', 'quantized_cosine', 'layer_census',
-           'absorb_landing_errors', 'eval_windows', 'window_batch', 'check_ranks_agree', 'Interrupted',
-           'catch_interrupts', 'progress_label', 'device_info', 'train_cli']
+           'Trainer', 'lr_scale_of', 'grid_params', 'quantized_cosine', 'layer_census', 'eval_windows', 'window_batch',
+           'check_ranks_agree', 'Interrupted', 'catch_interrupts', 'progress_label', 'device_info', 'train_cli']
 
 # %% ../nbs/26_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -152,6 +152,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.lr * self.lr_scale, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                          self.dev_type, grid_params=grid_params(self.model, cfg),
                                          **({"seed": cfg.seed} if get_optimizer(cfg.optimizer).takes_seed else {}))
+        self.grid_step = GridStep(self.model, self.optimizer, cfg.regime.optimizer_spec)   # what nanoGPT's optimizer.step() is
         self.train_gen = torch.Generator().manual_seed(cfg.seed if cfg.data_seed is None else cfg.data_seed)   # the data order
         self.init_step = None                                     # a branch: the trunk step it started from
         self.shadow = FP32ShadowModel(self.model) if cfg.shadow else None
@@ -194,16 +195,6 @@ class Trainer:
 def _sync(dev_type: str):
     if dev_type == "cuda": torch.cuda.synchronize()
 
-def decay_factors(optimizer, name: str) -> dict:
-    "{parameter: c}: this step's weight decay shrinks w to (1 - c) w; `name`'s registry entry says how (`OptimizerSpec.decay_shrink`)."
-    shrink, out = get_optimizer(name).decay_shrink, {}
-    for g in optimizer.param_groups:
-        lr, wd = g.get("lr", 0.0), g.get("weight_decay", 0.0)
-        if not wd: continue
-        c = shrink(lr, wd)
-        for p in g["params"]: out[p] = c
-    return out
-
 def lr_scale_of(cfg) -> float:
     "Factor from the schedule's `lr` to the optimizer's: `cfg.lr_scale`, or the base rule's default (`optim.default_lr_scale`)."
     return cfg.lr_scale if cfg.lr_scale is not None else default_lr_scale(cfg.optimizer)
@@ -226,13 +217,6 @@ def layer_census(model: nn.Module) -> dict:
     linears = [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear) and n not in tied]
     names = [n for n, _ in quantized.quantized_layers(model)]
     return dict(linear_layers=len(linears), quantized_layers=len(names), quantized_layer_names=names)
-
-def absorb_landing_errors(model: nn.Module, optimizer, name: str):
-    "ECO: hand each layer's landing error of this step to the optimizer (`OptimizerSpec.absorb_error`); no-op for other landings."
-    absorb = get_optimizer(name).absorb_error
-    for _, layer in quantized.quantized_layers(model):
-        e, layer._landing_error = layer._landing_error, None
-        if e is not None and absorb is not None: absorb(optimizer, layer.weight, e)
 
 @patch
 def train_step(self: Trainer) -> dict:
@@ -273,12 +257,7 @@ def train_step(self: Trainer) -> dict:
     if finite:
         before = snapshot_params(model)
         if cfg.grad_clip > 0: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        quantized.quant_pre_step(model, before)
-        self.optimizer.step()
-        with torch.profiler.record_function("altgrad.quant_post_step"):     # (a label for `layer_time_share`; free otherwise)
-            meant = get_optimizer(self.cfg.optimizer).intended       # an optimizer that lands on the grid itself says what it meant
-            m.update(quantized.quant_post_step(model, decay_factors(self.optimizer, self.cfg.optimizer), meant and meant(self.optimizer)) or {})
-        absorb_landing_errors(model, self.optimizer, cfg.optimizer)
+        self.grid_step.step(before)                               # snapshot, optimizer.step(), landing, statistics (altgrad.step)
         m.update(zero_update_metrics(before, model))
         self.nan_streak = 0
     else:
