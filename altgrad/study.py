@@ -41,7 +41,7 @@ STUDY_RULES = ("fp32", "nearest", "stochastic", "kahan", "madam", "lion")     # 
 CONTROL, UPPER = "nearest", "fp32"          # every benefit is measured against CONTROL; UPPER keeps the weights off the grid
 REF_PRECISIONS = ("fp32", "bf16")
 SEED_EXPECTATIONS = tuple(research_choices()["expectations"])     # the seeds' hypotheses (altgrad/research.yaml)
-STUDY_KEYS = ("fmt", "fmt_backward", "layer_formats", "master_weights", "weight_update", "optimizer", "lr_scale",
+STUDY_KEYS = ("fmt", "fmt_backward", "layer_formats", "regime", "master_weights", "weight_update", "optimizer", "lr_scale",
               "residual_dtype", "max_steps", "seed", "shadow", "precision", "stop_on_nan", "interventions", "out_dir",
               "data_dir", "resume", "checkpoint_interval", "wandb_mode")
 # per preset: steps, shadow, LR multipliers, LR-sweep formats (None: every format). cpu: fits ~4 h of this 2-core machine

@@ -36,10 +36,11 @@ SEED_ORDER = research_choices()["run_order"]
 POST_LN_LAYER_FORMATS = RETRIES["E1M6"]["layer_formats"]    # the E1M6 retry's layout (named by tests and tools)
 NOT_IN_REFERENCE = ("fmt", "fmt_backward", "scaling", "granularity", "block_size_q", "amax_history_len", "amax_algo",
                     "master_weights", "quantize_grads", "rounding", "margin", "weight_update", "residual_dtype", "layer_formats",
-                    "interventions", "stop_on_nan", "shadow", "optimizer")
+                    "interventions", "stop_on_nan", "shadow", "optimizer", "regime")
 SWEEP_KEYS = dict(fmt="--formats", fmt_backward="--formats", layer_formats="(retries set them)", max_steps="--steps", seed="--seed",
                   out_dir="--out", data_dir="--data-dir", interventions="--interventions", master_weights="--master-weights",
                   stop_on_nan="(follows --interventions)",
+                  regime="--master-weights and --update-rules, or --set weight_update=/optimizer=",
                   wandb_mode="--wandb-mode", resume="(finished runs are reused)")
 
 def resolve_preset(preset: str) -> str:
