@@ -96,8 +96,9 @@ def test_new_landing_and_optimizer(tmp_path, small_data, extensions, monkeypatch
     assert (lr_scale_for("sgdm", 1.0), lr_scale_for("shrink", 3.0)) == (30.0, 3.0)
     # what the study's answer.md prints for them: each regime by name and registry label in its protocol
     plan = dict(preset="smoke", steps=4, formats=["E4M3"], rules=["fp32", "nearest", "shrink", "sgdm"])
-    proto = dict(tuning_seeds=[1], heldout_seeds=[2], base_mults=[1.0], extend_factor=3, max_extensions=0, choice_rule="min")
+    proto = dict(tuning_seeds=[1], heldout_seeds=[2], base_mults=[1.0], extend_factor=3, max_extensions=0,
+                 choice_rule="min")
     st = dict(plan=plan, protocol=proto, budget=dict(runs=8, total_seconds=60.0), devices=["cpu"])
     protocol = "\n".join(decisive_protocol_section(st, {}))
-    assert ("**regimes** `fp32` (FP32 master weights), `nearest` (round-to-nearest), `shrink` (biased shrink rounding with "
-            "residual), `sgdm` (SGD with momentum (stochastic landing))") in protocol, protocol
+    assert ("**regimes** `fp32` (FP32 master weights), `nearest` (round-to-nearest), `shrink` (biased shrink rounding "
+            "with residual), `sgdm` (SGD with momentum (stochastic landing))") in protocol, protocol

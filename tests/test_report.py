@@ -16,7 +16,8 @@ def _report_cmd() -> list[str]:
     exe = BIN / "altgrad-report"
     if exe.exists(): return [str(exe)]
     if shutil.which("altgrad-report"): return [shutil.which("altgrad-report")]
-    return [sys.executable, "-c", "import sys; from altgrad.sweep_summary import report_cli; sys.exit(report_cli(sys.argv[1:]))"]
+    return [sys.executable, "-c",
+            "import sys; from altgrad.sweep_summary import report_cli; sys.exit(report_cli(sys.argv[1:]))"]
 
 
 def _cli(*args, cwd=ROOT):
@@ -70,7 +71,7 @@ def test_cli_regenerates_writeups_byte_identical(tmp_path):
 
 
 def test_cli_rewrites_sweep_summary(tmp_path):
-    "A sweep folder: the write-ups and summary.md (by altgrad.sweep_summary.write_summary) come out the same on every call."
+    "A sweep folder: the write-ups and summary.md (altgrad.sweep_summary.write_summary) come out the same every call."
     sw = _sweep(tmp_path / "outputs")
     r = _cli(sw)
     assert r.returncode == 0, r.stdout + r.stderr
