@@ -18,12 +18,12 @@ from .study import (DECISIVE_RULES, RETIRED_DESIGN_COMMIT, CONTROL, UPPER, REF_P
                            Protocol, bracket_grids, decisive_lr_specs, decisive_seed_specs, decisive_choice)
 
 # %% auto #0
-__all__ = ['MECH_KEYS', 'MECH_ALL', 'STUDY_COLUMNS', 'grid_rules', 'same_landing', 'mechanism_of', 'run_record', 'pm',
-           'recovered_text', 'ci_text', 'rule_label', 'model_text', 'save_figure', 'landing_note', 'regenerate_section',
-           'format_pairs', 'law_points', 'decisive_expectations', 'grid_family', 'decisive_cells', 'decisive_mde',
-           'headline_record', 'decisive_analyze', 'incomplete_text', 'law_clause', 'decisive_paragraph',
-           'pairs_section', 'decisive_results_section', 'law_section', 'bracket_section', 'plot_law',
-           'decisive_protocol_section', 'write_decisive_answer', 'report_decisive', 'report_study']
+__all__ = ['MECH_KEYS', 'MECH_ALL', 'STUDY_COLUMNS', 'grid_aware_rules', 'mechanism_of', 'run_record', 'pm', 'recovered_text',
+           'ci_text', 'rule_label', 'model_text', 'save_figure', 'regenerate_section', 'format_pairs', 'law_points',
+           'decisive_expectations', 'grid_family', 'decisive_cells', 'decisive_mde', 'headline_record',
+           'decisive_analyze', 'incomplete_text', 'law_clause', 'decisive_paragraph', 'pairs_section',
+           'decisive_results_section', 'law_section', 'bracket_section', 'plot_law', 'decisive_protocol_section',
+           'write_decisive_answer', 'report_decisive', 'report_study']
 
 # %% ../nbs/35_answer.ipynb #35a00005
 MECH_KEYS = {"pred_stall": "pred_stall/total", "update_ratio": "update_ratio/total", "stall": "stall/total",
@@ -33,16 +33,9 @@ MECH_ALL = tuple(MECH_KEYS) + tuple(k + "_post" for k in MECH_KEYS)
 STUDY_COLUMNS = ("val/loss", *MECH_KEYS.values())    # every per-step column a decisive study's answer reads (`step` aside):
                                                      # what `altgrad.runs.write_dataset(out, keep=STUDY_COLUMNS)` keeps
 
-def grid_rules(rules) -> list[str]:
+def grid_aware_rules(rules) -> list[str]:
     "The grid-aware regimes among `rules`: all but the control and the upper bound."
     return [r for r in rules if r not in (CONTROL, UPPER)]
-
-def same_landing(rule: str, rules) -> str | None:
-    "The AdamW regime among `rules` with `rule`'s landing and master weights, when `rule` uses another optimizer (else None)."
-    r = get_rule(rule)
-    if r.optimizer_spec.baseline: return None
-    match = lambda q: q != rule and get_rule(q).optimizer_spec.baseline and (get_rule(q).landing, get_rule(q).master_weights) == (r.landing, r.master_weights)
-    return next((q for q in rules if match(q)), None)
 
 def mechanism_of(run) -> dict:
     """The run's mechanism numbers: mean over steps of each rate, median over steps of `update_ratio/total` (None if not
@@ -103,19 +96,6 @@ def save_figure(fig, path: Path) -> str:
     fig.savefig(path, dpi=110, metadata={"Software": None}); plt.close(fig)
     return f"figures/{path.name}"
 
-
-# %% ../nbs/35_answer.ipynb #5dc5fee1
-def landing_note(rules) -> list[str]:
-    "A protocol bullet on how the regimes with another optimizer than AdamW land their updates (empty: there are none)."
-    others = [q for q in rules if get_rule(q).master_weights == "format" and not get_rule(q).optimizer_spec.baseline]
-    if not others: return []
-    r = get_rule(others[0]); twin = same_landing(others[0], rules)
-    how = rule_label(twin) if twin else r.landing
-    own = [get_rule(q).optimizer_spec.lands_own for q in others if get_rule(q).landing_spec.stochastic]
-    own = next((o for o in own if o), None)            # an optimizer that lands its own weights follows the landing's rounding
-    return [f"- **Landing of {' and '.join(others)}**: {how} (`weight_update={r.landing}`"
-            + (f"; {own} rounds its exponent step stochastically too" if own else "") + ")."
-            + f" Their benefit over nearest therefore includes {how}'s; *The optimizer at the same landing* separates the two."]
 
 # %% ../nbs/35_answer.ipynb #35a00027
 def regenerate_section(inputs: dict) -> list[str]:
@@ -206,7 +186,7 @@ def _expect_best_paired(st: dict, f: str) -> str:
 # %% ../nbs/35_answer.ipynb #35h8ff1c
 def grid_family(plan: StudyPlan) -> list[tuple[str, str]]:
     "The planned (format, grid rule) cells: the family of the benefit tests, of their detectable effect and of the headline's m."
-    return [(f, r) for f in plan.formats for r in grid_rules(plan.rules)]
+    return [(f, r) for f in plan.formats for r in grid_aware_rules(plan.rules)]
 
 def decisive_cells(plan: StudyPlan, proto, recs: dict, held: list, unigram, conf: float = 0.95) -> tuple[dict, dict]:
     "(`{fmt: {rule: cell}}` over the held-out specs `held`, `{fmt: {rule: {seed: loss}}}`)."

@@ -5,7 +5,7 @@
 # %% ../nbs/05_config.ipynb #e1f88aea
 from __future__ import annotations
 import copy, difflib, os, re, sys, tempfile, types, typing
-from dataclasses import MISSING, dataclass, field, fields, asdict
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 import yaml
 import torch
@@ -13,8 +13,8 @@ from .formats import get_format
 
 # %% auto #0
 __all__ = ['REGIME_KEYS', 'KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS', 'RESEARCH_KEYS',
-           'ConfigError', 'TrainConfig', 'regime_keys', 'as_rule', 'rule_from_keys', 'fold_regime', 'merge_keys',
-           'renamed_keys', 'missing_keys', 'config_keys_help', 'check_keys', 'preset_path', 'load_config',
+           'ConfigError', 'TrainConfig', 'regime_keys', 'as_rule', 'rule_from_keys', 'saved_regime', 'fold_regime',
+           'merge_keys', 'renamed_keys', 'missing_keys', 'config_keys_help', 'check_keys', 'preset_path', 'load_config',
            'parse_value', 'parse_overrides', 'save_config', 'resolve_device', 'autocast_dtype', 'research_choices']
 
 # %% ../nbs/05_config.ipynb #0c920285
@@ -125,11 +125,18 @@ class TrainConfig:
     optimizer = property(lambda self: self.regime.optimizer)
     residual_dtype = property(lambda self: self.regime.residual_dtype)
 
+    @property
+    def effective_lr_scale(self) -> float | None:
+        "The `lr_scale` the run trains with: the config's, else its regime's own (None: the optimizer's default)."
+        return self.lr_scale if self.lr_scale is not None else self.regime.lr_scale
+
     def to_dict(self) -> dict:
-        "Plain (YAML/JSON-serialisable) dict of every key, the regime spelled as `REGIME_KEYS` (as every saved config has it)."
-        flat, out = regime_keys(self.regime), {}
+        """Plain (YAML/JSON-serialisable) dict of every key, the regime spelled as `REGIME_KEYS` (as every saved config
+        has it) with `effective_lr_scale`; plus a `regime` key where those do not read back as it (`saved_regime`)."""
+        flat, out, lr = regime_keys(self.regime), {}, self.effective_lr_scale
         for f in fields(self):
-            if f.name != "regime": out[f.name] = copy.deepcopy(getattr(self, f.name))
+            if f.name == "regime": out.update(saved_regime(self.regime, lr))
+            else: out[f.name] = lr if f.name == "lr_scale" else copy.deepcopy(getattr(self, f.name))
             out.update({k: flat[k] for k in _SPELLED_AFTER.get(f.name, ())})
         return out
 
@@ -141,8 +148,10 @@ class TrainConfig:
         return cls(**fold_regime(d, source))
 
     def replace(self, **changes) -> TrainConfig:
-        "A validated copy with `changes` applied (a `regime` replaces the whole regime; `REGIME_KEYS` change parts of it)."
-        return TrainConfig.from_dict(merge_keys(self.to_dict(), changes), source="replace()")
+        """A validated copy with `changes` applied (a `regime` replaces the whole regime, and its own `lr_scale`;
+        `REGIME_KEYS` change parts of it); `dataclasses.replace` does the same."""
+        keys = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+        return TrainConfig.from_dict(merge_keys(keys, changes), source="replace()")
 
 # %% ../nbs/05_config.ipynb #c69420b5
 _CHOICES = {
@@ -243,8 +252,6 @@ def _validate(cfg: TrainConfig):
         if v not in allowed: errors.append(f"{key}={v!r} is not one of {', '.join(repr(a) for a in allowed)}")
     try: cfg.regime = as_rule(cfg.regime)              # the regime's own checks (UpdateRule): the one validation of it
     except ValueError as e: errors.append(str(e))
-    else:
-        if cfg.lr_scale is None and cfg.regime.lr_scale is not None: cfg.lr_scale = cfg.regime.lr_scale
     for key, rng in _RANGES.items():
         v = getattr(cfg, key)
         if v is not None and (msg := _check_range(key, v, *rng)): errors.append(msg)
@@ -265,41 +272,80 @@ def _validate(cfg: TrainConfig):
 # %% ../nbs/05_config.ipynb #e2946298
 REGIME_KEYS = ("master_weights", "weight_update", "optimizer", "residual_dtype")   # the regime as saved configs spell it
 _SPELLED_AFTER = {"amax_algo": ("master_weights",), "regime": ("optimizer",), "lr_scale": ("weight_update", "residual_dtype")}
+def _regimes():
+    """`altgrad.regimes`, imported on use. Not a cycle (regimes imports grid and optim, neither imports config): the
+    layering. Notebooks are numbered by dependency (`tests/test_package.py`), and regimes (nbs/25, after optim) comes
+    after this notebook (nbs/05)."""
+    import altgrad.regimes as regimes
+    return regimes
 
 def regime_keys(rule) -> dict:
     "The regime `rule` (an `UpdateRule`) spelled as `REGIME_KEYS`, as every saved config and checkpoint stores it."
     return dict(master_weights=rule.master_weights, weight_update=rule.landing, optimizer=rule.optimizer,
                 residual_dtype=rule.residual_dtype)
 
+def _regime_error(value, why: str) -> ValueError:
+    names = ", ".join(_regimes().UPDATE_RULES)
+    return ValueError(f"regime={value!r} {why}; valid names: {names}. Fix: use one of these names, "
+                      "or pass an altgrad.regimes.UpdateRule (register a new one with altgrad.regimes.register_rule)")
+
 def as_rule(value):
-    "The `UpdateRule` that `regime=value` names: an `UpdateRule` as it is, a registered name looked up (else the valid names)."
-    from altgrad.regimes import UpdateRule, get_rule
-    if isinstance(value, UpdateRule): return value
-    if isinstance(value, str): return get_rule(value)
-    raise ValueError(f"regime must be a registered rule name or an altgrad.regimes.UpdateRule, got {value!r}")
+    "The `UpdateRule` that `regime=value` names: an `UpdateRule` (or its fields, as saved) or a registered name."
+    R = _regimes(); UPDATE_RULES, UpdateRule, settings_of = R.UPDATE_RULES, R.UpdateRule, R.settings_of
+    if isinstance(value, dict):
+        names = [f.name for f in fields(UpdateRule)]
+        if set(value) - set(names) or not {"name", "label"} <= set(value):
+            raise _regime_error(value, f"as a mapping needs the UpdateRule fields {', '.join(names)}")
+        value = UpdateRule(**value)
+    if isinstance(value, UpdateRule):
+        reg = UPDATE_RULES.get(value.name)
+        if reg is not None and settings_of(reg) != settings_of(value):
+            raise ValueError(f"regime {value.name!r} is an UpdateRule with the name of a registered regime but other "
+                             f"settings ({settings_of(value)}, registered: {settings_of(reg)}). Fix: rename it")
+        return value
+    if isinstance(value, str) and value in UPDATE_RULES: return UPDATE_RULES[value]
+    raise _regime_error(value, "is not a registered update regime" if isinstance(value, str) else
+                        f"({type(value).__name__}) is neither a registered name nor an UpdateRule")
 
 def rule_from_keys(keys: dict, lr_scale=None):
     "The regime that `REGIME_KEYS` values ran: the registered rule they spell, else an unregistered `UpdateRule` 'custom'."
-    from altgrad.regimes import UPDATE_RULES, UpdateRule, rule_of
-    try: r = UPDATE_RULES[rule_of({**keys, "lr_scale": lr_scale})]
+    R = _regimes()
+    try: r = R.UPDATE_RULES[R.rule_of({**keys, "lr_scale": lr_scale})]
     except ValueError: r = None
     if r is not None and regime_keys(r) == keys: return r
-    return UpdateRule(r.name if r else "custom", r.label if r else "custom update regime", keys["master_weights"],
-                      keys["weight_update"], keys["optimizer"], residual_dtype=keys["residual_dtype"])
+    # r matched but keys it does not read differ (a landing under FP32 master weights): r's name, these keys
+    name, label, lr = (r.name, r.label, r.lr_scale) if r else ("custom", "custom update regime", None)
+    return R.UpdateRule(name, label, keys["master_weights"], keys["weight_update"], keys["optimizer"], lr,
+                        keys["residual_dtype"])
+
+def saved_regime(rule, lr_scale=None) -> dict:
+    """What a saved config adds to `REGIME_KEYS` so that it reloads as `rule`: nothing where they (with `lr_scale`) read
+    back as it, else `regime`: its name (registered) or its fields (unregistered)."""
+    if rule_from_keys(regime_keys(rule), lr_scale) == rule: return {}
+    return {"regime": rule.name if _regimes().UPDATE_RULES.get(rule.name) == rule else asdict(rule)}
 
 def fold_regime(d: dict, source: str = "config") -> dict:
-    "`d` with `REGIME_KEYS` folded into its `regime` (they change parts of a given one, else of 'fp32'); bad values: ConfigError."
+    """`d` with `REGIME_KEYS` folded into its `regime` (they change parts of a given one, else of 'fp32'); a bad
+    value of them: ConfigError naming them. A bad `regime` is left for validation to report (with other problems)."""
     if not any(k in d for k in REGIME_KEYS): return d
-    out = {k: v for k, v in d.items() if k not in REGIME_KEYS}
-    try: out["regime"] = rule_from_keys({**regime_keys(as_rule(d.get("regime", "fp32"))), **{k: d[k] for k in REGIME_KEYS if k in d}},
-                                        d.get("lr_scale"))
-    except ValueError as e: raise ConfigError(f"invalid config (in {source}): {e}") from None
+    out, parts = {k: v for k, v in d.items() if k not in REGIME_KEYS}, {k: d[k] for k in REGIME_KEYS if k in d}
+    try: given = as_rule(d.get("regime", "fp32"))
+    except ValueError: return out
+    lr, keys = d.get("lr_scale"), {**regime_keys(given), **parts}
+    try: out["regime"] = given if "regime" in d and keys == regime_keys(given) else rule_from_keys(keys, lr)
+    except ValueError as e:
+        raise ConfigError(f"invalid config (in {source}): the regime keys {parts} give no valid regime: {e}") from None
+    if lr is not None and lr == out["regime"].lr_scale: out["lr_scale"] = None   # the regime's own rate, as saved
     return out
 
 def merge_keys(base: dict, top: dict) -> dict:
-    "`{**base, **top}`, except that a `regime` in `top` replaces the whole regime of `base` (its `regime` and `REGIME_KEYS`)."
-    if "regime" in top: base = {k: v for k, v in base.items() if k != "regime" and k not in REGIME_KEYS}
-    return {**base, **top}
+    """`{**base, **top}`, except that a `regime` in `top` replaces the whole regime of `base`: its `regime`,
+    `REGIME_KEYS` and an `lr_scale` that was that regime's own."""
+    if "regime" not in top: return {**base, **top}
+    try: own = as_rule(fold_regime(base).get("regime", "fp32")).lr_scale
+    except ValueError: own = None                  # (a bad regime that `top` replaces anyway)
+    drop = {"regime", *REGIME_KEYS, *(("lr_scale",) if own is not None and base.get("lr_scale") == own else ())}
+    return {**{k: v for k, v in base.items() if k not in drop}, **top}
 
 # %% ../nbs/05_config.ipynb #de19093f
 KEY_DOCS = {   # one line per TrainConfig key: what it means (allowed values are checked by _CHOICES / _RANGES)
@@ -324,7 +370,8 @@ KEY_DOCS = {   # one line per TrainConfig key: what it means (allowed values are
     "margin": "scale margin: amax maps to the format's max / 2**margin",
     "regime": "update regime: a registered name (altgrad.regimes.UPDATE_RULES: fp32, nearest, stochastic, kahan, eco, madam, lion, ...) "
               "or an UpdateRule; the old keys master_weights, weight_update, optimizer, residual_dtype set its parts",
-    "lr_scale": "optimizer lr = schedule lr x lr_scale (None: the optimizer's default, optim.default_lr_scale)",
+    "lr_scale": "optimizer lr = schedule lr x lr_scale (None: the regime's own, else the optimizer's default, "
+                "optim.default_lr_scale)",
     "layer_formats": "[[pattern, format-or-None], ...] per-layer formats, first match wins (fmt covers the rest)",
     "interventions": "grid-aware update interventions on/off",
     "stop_on_nan": "stop at the first non-finite loss instead of after nan_patience steps",

@@ -10,7 +10,7 @@ from .grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, Landing, get_landin
 from .optim import OPTIMIZERS, OptimizerSpec, get_optimizer
 
 # %% auto #0
-__all__ = ['UPDATE_RULES', 'UpdateRule', 'register_rule', 'get_rule', 'rule_of']
+__all__ = ['UPDATE_RULES', 'UpdateRule', 'settings_of', 'register_rule', 'get_rule', 'rule_of']
 
 # %% ../nbs/25_regimes.ipynb #0203db9b
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class UpdateRule:
 # %% ../nbs/25_regimes.ipynb #c9fd8868
 UPDATE_RULES: dict[str, UpdateRule] = {}
 
-def _settings(rule: UpdateRule) -> tuple:
+def settings_of(rule: UpdateRule) -> tuple:
     "What `rule_of` tells apart: (master_weights, landing, optimizer, lr_scale, residual_dtype), None where it is not read."
     on_grid = rule.master_weights == "format"
     res = rule.residual_dtype if on_grid and LANDINGS[rule.landing].residual else None
@@ -73,10 +73,11 @@ def register_rule(rule: UpdateRule, replace: bool = False) -> UpdateRule:
     if not isinstance(rule, UpdateRule): raise TypeError(f"register_rule needs an UpdateRule, got {type(rule).__name__}")
     if rule.name in UPDATE_RULES and not replace:
         raise ValueError(f"update rule {rule.name!r} is already registered; pass replace=True to replace it")
-    twin = next((r for r in UPDATE_RULES.values() if r.name != rule.name and _settings(r) == _settings(rule)), None)
+    twin = next((r for r in UPDATE_RULES.values() if r.name != rule.name and settings_of(r) == settings_of(rule)), None)
     if twin is not None:
         raise ValueError(f"update rule {rule.name!r} has the same settings as the registered {twin.name!r} (master_weights, "
-                         f"landing, optimizer, lr_scale, residual_dtype = {_settings(rule)}): rule_of could not tell them apart")
+                         f"landing, optimizer, lr_scale, residual_dtype = {settings_of(rule)}): rule_of could not tell "
+                         "them apart")
     UPDATE_RULES[rule.name] = rule
     return rule
 
@@ -110,6 +111,9 @@ def _fits(rule: UpdateRule, mw: str, landing: str, opt: str, res: str) -> bool:
 
 def rule_of(cfg) -> str:
     "The name of the registered update rule that config `cfg` (TrainConfig or dict) ran."
+    r = getattr(cfg, "regime", None) if hasattr(cfg, "to_dict") else (cfg or {}).get("regime")
+    if isinstance(r, UpdateRule) and UPDATE_RULES.get(r.name) == r or isinstance(r, str) and r in UPDATE_RULES:
+        return getattr(r, "name", r)                  # the regime it names (a saved config names it where keys cannot)
     d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg or {})
     mw, opt = d.get("master_weights") or "fp32", d.get("optimizer") or "adamw"
     landing, res = d.get("weight_update") or "nearest", d.get("residual_dtype") or "fp32"

@@ -4,35 +4,24 @@
 
 # %% ../nbs/30_report.ipynb #ff7e0ac0
 from __future__ import annotations
-import argparse, json, math, os, re, sys
+import json, math, os, re
 from pathlib import Path
 import numpy as np
-import matplotlib
 import matplotlib.pyplot as plt
-from .config import TrainConfig
-from .data import unigram_baseline
-from .grid import R_EDGES, RESIDUAL_BYTES
-from .model import GPT, GPTConfig
-from .tracking import metrics_file, compact_metrics, METRICS_JSONL
-from .quantized import quantize_model, quantize_model_from_config, quantized_layers
+from .grid import LANDINGS, R_EDGES, RESIDUAL_BYTES
 from .optim import default_lr_scale
 from .regimes import get_rule, rule_of
-from .runs import (Run, load_run, write_synthetic_run, SYN_LAYERS, run_finished, read_json, read_yaml, find_writeups,
-                          find_sweeps, find_matrices, is_writeup, reuse_marker, load_runs, layer_formats_of,
-                          has_run, read_config, current_keys)
-from .matrix import write_matrix
+from .runs import Run, load_run, run_finished, layer_formats_of
 
 # %% auto #0
 __all__ = ['SMOOTH_WINDOW', 'HEATMAP_PERCENTILE', 'AVG_STEPS', 'FIG_DPI', 'LAYER_GROUPS', 'MECHANISM_COLUMNS', 'MECHANISM_LABELS',
-           'REPORT_INPUTS', 'TABLE_HEAD', 'SWEEP_INPUTS', 'short_layer', 'smooth', 'legend', 'plot_loss',
-           'quantized_layer_names', 'quantized_cos_series', 'plot_cosine', 'layer_matrix', 'colour_range',
-           'plot_heatmap', 'hotspots', 'pick_layers', 'plot_histograms', 'first_nan_step', 'nan_origin',
-           'failure_analysis', 'mean_quantized_cos', 'divergence_steps', 'verdict', 'train_loss_avg', 'progress_lost',
-           'layer_counts', 'run_summary', 'fmt_num', 'precision_note', 'layer_group', 'has_mechanism', 'layer_groups',
-           'mechanism_table', 'regime_of', 'mechanism_rule', 'plot_mechanism', 'ratio_histograms', 'share_below_half',
-           'plot_ratio_histograms', 'mechanism_section', 'device_line', 'write_report', 'model_layers',
-           'count_8bit_layers', 'summary_row', 'summary_rows', 'plot_sweep', 'plot_reference', 'layout_text',
-           'write_summary', 'report_inputs', 'regenerate_report', 'summary_inputs', 'regenerate_summary', 'report_cli']
+           'REPORT_INPUTS', 'short_layer', 'smooth', 'legend', 'plot_loss', 'quantized_layer_names',
+           'quantized_cos_series', 'plot_cosine', 'layer_matrix', 'colour_range', 'plot_heatmap', 'hotspots',
+           'pick_layers', 'plot_histograms', 'first_nan_step', 'nan_origin', 'failure_analysis', 'mean_quantized_cos',
+           'divergence_steps', 'verdict', 'train_loss_avg', 'progress_lost', 'layer_counts', 'run_summary', 'fmt_num',
+           'precision_note', 'layer_group', 'has_mechanism', 'layer_groups', 'mechanism_table', 'regime_of',
+           'mechanism_rule', 'plot_mechanism', 'ratio_histograms', 'share_below_half', 'plot_ratio_histograms',
+           'mechanism_section', 'device_line', 'write_report']
 
 # %% ../nbs/30_report.ipynb #855c193a
 SMOOTH_WINDOW = 25   # steps of the running mean drawn over the training loss
@@ -345,7 +334,6 @@ def fmt_num(v, spec: str = ".4g") -> str:
 # %% ../nbs/30_report.ipynb #bb88be59
 def _carries_residual(landing) -> bool:
     "Does the landing rule `landing` carry a residual to the next step (`grid.Landing.residual`; unknown names: no)?"
-    from altgrad.grid import LANDINGS
     return bool(landing in LANDINGS and LANDINGS[landing].residual)
 
 def _residual_text(cfg: dict) -> str:
@@ -683,277 +671,3 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
     inputs = dict(run=_rel(run_dir, out), ref=_rel(ref_dir, out), unigram=unigram, title=title, extra_setup=extra_setup or {})
     (out / REPORT_INPUTS).write_text(json.dumps(inputs, indent=1, default=str) + "\n")
     return p
-
-# %% ../nbs/30_report.ipynb #a5e0c002
-def model_layers(config, layer_formats=None) -> tuple[list[str], list[str]]:
-    """(names of the model's linear layers that can be 8-bit, names of those that are) for `config` (TrainConfig or a
-    run's config dict) and `layer_formats` (default: its own)."""
-    import warnings, torch
-    from dataclasses import fields
-    if isinstance(config, TrainConfig): c = config
-    else:
-        valid = {f.name for f in fields(TrainConfig)}
-        c = TrainConfig.from_dict({k: v for k, v in current_keys(dict(config)).items() if k in valid})
-    if layer_formats is not None: c = c.replace(layer_formats=[list(r) for r in layer_formats])
-    def build():
-        with torch.device("meta"):
-            return GPT(GPTConfig(block_size=c.block_size, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
-                                 n_embd=c.n_embd, dropout=c.dropout, bias=c.bias))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")                     # layout patterns that match no layer
-        linear = [n for n, _ in quantized_layers(quantize_model(build(), format="E4M3"))]
-        q = [n for n, _ in quantized_layers(quantize_model_from_config(build(), c))] if (c.fmt or c.layer_formats) else []
-    return linear, q
-
-def count_8bit_layers(run: Run) -> tuple[int | None, int | None]:
-    "(8-bit linear layers, linear layers) of a run: from its summary.json when recorded, else from its config (`model_layers`)."
-    q, n = run.summary.get("quantized_layers"), run.summary.get("linear_layers")
-    if q is not None and n is not None: return int(q), int(n)
-    try:
-        lin, q8 = model_layers(run.config)
-        return len(q8), len(lin)
-    except Exception:                                       # an unusual config: count the layers that logged 8-bit metrics
-        q8 = {k.split("/")[1] for k in run.keys("overflow/") if k.count("/") == 2}
-        return (len(q8) or None), None
-
-def summary_row(name: str, run: Run | None, ref: Run | None = None, marker: dict | None = None, unigram: float | None = None) -> dict:
-    "The numbers of one table row: `run_summary` with the row's `name` (`marker`: a reused run's `reused.json`)."
-    if run is None: return dict(name=name, verdict="NOT RUN")
-    s = run_summary(run, ref, unigram); s["name"] = name
-    if marker: s.update(fmt=marker["format"], reused_from=marker["reused_from"], reuse_note=marker["note"])
-    s["quantized_layers"], s["linear_layers"] = count_8bit_layers(run)
-    return s
-
-def summary_rows(runs: dict, ref: Run | None = None, out=None, unigram: float | None = None) -> list[dict]:
-    "Summary numbers of each run of `load_runs` against the reference `Run` (reuse markers read from `out`)."
-    return [summary_row(n, run, ref, reuse_marker(Path(out) / n) if out is not None else None, unigram) for n, run in runs.items()]
-
-# %% ../nbs/30_report.ipynb #a5e0c003
-def plot_sweep(runs: dict, ref: Run | None = None, tolerance: float = 0.10):
-    """Validation loss of every run, the reference in black dashes on top (left); each run's final validation loss minus
-    the reference's, in nats, with the PASS bound (`tolerance` × the reference's loss) (right)."""
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
-    labels, diffs, colors = [], [], []
-    ref_v = ref.last("val/loss") if ref is not None else None
-    for i, (n, run) in enumerate(runs.items()):
-        if run is None: continue
-        s, v = run.series("val/loss")
-        a1.plot(s, v, "o-", ms=2.5, lw=1, color=f"C{i}", label=n)
-        tl_s, tl_v = run.series("train/loss"); bad = tl_s[~np.isfinite(tl_v)]
-        if len(bad): a1.axvline(bad[0], color=f"C{i}", ls="--", lw=0.8)
-        last = run.last("val/loss")
-        labels.append(n); diffs.append(last - ref_v if (last is not None and ref_v is not None) else np.nan); colors.append(f"C{i}")
-    if ref is not None:
-        s, v = ref.series("val/loss"); a1.plot(s, v, "k--", lw=1.6, zorder=5, label="reference")
-    a1.set(xlabel="step", ylabel="validation loss (nats)", title="validation loss (dashed verticals: first NaN)"); legend(a1, fontsize=7)
-    x = np.arange(len(labels)); d = np.asarray(diffs, dtype=float)
-    a2.bar(x, np.nan_to_num(d, nan=0.0), color=colors)
-    for xi, di in zip(x, d):
-        a2.annotate("no loss" if np.isnan(di) else f"{di:+.3f}", (xi, 0 if np.isnan(di) else di), ha="center",
-                    va="bottom" if np.isnan(di) or di >= 0 else "top", fontsize=7, xytext=(0, 2 if np.isnan(di) or di >= 0 else -2),
-                    textcoords="offset points")
-    a2.axhline(0, color="k", lw=0.8)
-    fin = d[np.isfinite(d)]; bound = tolerance * ref_v if ref_v is not None else None
-    hi, lo = max([*fin, 0.0]), min([*fin, 0.0])
-    pad = 0.15 * (hi - lo or abs(bound or 1.0)); a2.set_ylim(lo - pad, hi + pad)   # fitted to the bars
-    if bound is not None:
-        what = f"PASS bound: +{bound:.3g} nats ({1 + tolerance:.2f}× the reference)"
-        if lo - pad <= bound <= hi + pad: a2.axhline(bound, color="k", ls=":", lw=1, label=what)
-        else: a2.plot([], [], " ", label=what + ", off this axis")   # stated, not drawn: drawing it would flatten the bars
-    a2.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
-    a2.set(ylabel="final val loss − reference (nats)", title="final validation loss relative to the reference"); legend(a2, fontsize=7)
-    fig.tight_layout(); return fig
-
-def plot_reference(r: Run, unigram: float | None = None):
-    "Training and validation loss of the reference `Run`, with the unigram baseline it has to beat."
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    s, v = r.series("train/loss"); ax.plot(s, v, lw=0.8, alpha=0.6, label="train loss")
-    s, v = r.series("val/loss"); ax.plot(s, v, "o-", ms=3, label="validation loss")
-    if unigram is not None: ax.axhline(unigram, color="k", ls=":", label=f"unigram baseline ({unigram:.3f})")
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"reference run ({r.summary.get('device', '?')})")
-    legend(ax); fig.tight_layout(); return fig
-
-# %% ../nbs/30_report.ipynb #a5e0c004
-TABLE_HEAD = ("| run | format | precision rules | 8-bit layers | final val loss | ratio to reference | progress lost | "
-              "quantized-layer cosine | all-parameter cosine | lost update | mean bit-stall | max overflow | failure step | verdict |")
-
-def layout_text(layer_formats) -> str:
-    "A precision layout as a table cell: 'uniform', or 'pattern→format; ...'."
-    if not layer_formats: return "uniform"
-    return "; ".join(f"{p}→{f or 'high precision'}" for p, f in layer_formats)
-
-def _writeups_text(linked: dict) -> str:
-    "Where the sweep's write-ups are: every cell's, some (linked in the table), or none (runs only)."
-    if all(linked.values()): return "Each format's write-up is in `<name>/report.md`."
-    if any(linked.values()): return "Write-ups (`<name>/report.md`) are linked in the table; the other cells keep their run (`<name>/run/`) only."
-    return "The cells keep their runs (`<name>/run/`) only: write-ups are kept for the main job's formats (`outputs/<format>/`)."
-
-def _table_row(r: dict, linked: bool = True) -> str:
-    "One table row; `linked`: the run's folder holds a write-up (`report.md`) to link to."
-    if r.get("verdict") == "NOT RUN": return f"| {r['name']} |" + " |" * 12 + " NOT RUN |"
-    src = r.get("reused_from")
-    link = (f"[{r['name']}]({src or r['name']}/report.md)" if linked else r["name"]) + (f" (= {src} run)" if src else "")
-    q, n = r.get("quantized_layers"), r.get("linear_layers")
-    layers = "—" if q is None else f"{q}/{n}" if n is not None else f"{q}"
-    return (f"| {link} | {r['fmt']} | {layout_text(r['layer_formats'])} | {layers} | {fmt_num(r.get('final_val_loss'))} | "
-            f"{fmt_num(r.get('ratio_to_ref'), '.3f')} | {fmt_num(r.get('progress_lost'), '.3f')} | "
-            f"{fmt_num(r.get('quantized_cos'), '.4f')} | {fmt_num(r.get('all_cos'), '.4f')} | "
-            f"{fmt_num(r.get('mean_lost_update'), '.3g')} | {fmt_num(r.get('mean_stall'), '.3f')} | "
-            f"{fmt_num(r.get('max_overflow'), '.3g')} | {fmt_num(r.get('first_nan_step'))} | {r['verdict']} |")
-
-def _save_fig(fig, path: Path):
-    fig.savefig(path, dpi=FIG_DPI); plt.close(fig)
-
-def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed: int, note: str = "",
-                  unigram: float | None = None, notes=(), runs: dict | None = None) -> Path:
-    """Write `out/summary.md` (+ `summary.png`, `reference.png`, `summary.json`) for the runs `names`.
-
-    `preset`: the preset's name as it ran (not 'auto'); `note`: settings paragraph(s) above the table; `notes`: lines
-    under it (reuse notes are added from the markers); `runs`: already loaded `{name: Run}` (the rest are loaded)."""
-    out = Path(out)
-    runs = {**load_runs(out, [n for n in names if n not in (runs or {})]), **(runs or {})}
-    runs = {n: runs[n] for n in names}
-    ref = load_run(ref_dir) if ref_dir else None
-    rows = summary_rows(runs, ref, out, unigram)
-    linked = {r["name"]: (out / (r.get("reused_from") or r["name"]) / "report.md").exists() for r in rows}
-    ran = {r["name"]: linked[r["name"]] for r in rows if r.get("verdict") != "NOT RUN"}   # a run not run has nothing to link
-    _save_fig(plot_sweep(runs, ref), out / "summary.png")
-    if ref is not None and ref.summary.get("device"): dev = ref.summary["device"]
-    else:
-        import torch
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-    L = ["# Sweep summary", "",
-         f"Preset `{preset}`, {steps} steps, seed {seed}, device `{dev}`. Reference: "
-         f"final validation loss {fmt_num(ref.last('val/loss') if ref else None)} "
-         f"({'FP32' if dev == 'cpu' else 'BF16 autocast'}). {_writeups_text(ran)}", ""]
-    if ref is not None:
-        _save_fig(plot_reference(ref, unigram), out / "reference.png")
-        tps = ref.summary.get("tokens_per_sec")
-        L += [f"The reference ran {ref.summary.get('final_step')} steps at {fmt_num(tps, ',.0f')} tokens/s (median step); "
-              f"its validation loss {fmt_num(ref.last('val/loss'))} nats/token against the unigram baseline "
-              f"{fmt_num(unigram)} (add-one smoothed train unigram, scored on validation).", "",
-              "![reference](reference.png)", ""]
-    if note: L += [note, ""]
-    L += [TABLE_HEAD, "|" + "---|" * TABLE_HEAD.count(" | ") + "---|"]
-    L += [_table_row(r, linked[r["name"]]) for r in rows]
-    below = [r["reuse_note"] for r in rows if r.get("reuse_note")] + list(notes)
-    if below: L += [""] + [f"- {x}" for x in below]
-    L += ["", "8-bit layers: linear layers simulated in 8-bit / all linear layers (the tied embedding/LM head excluded).", "",
-          "![sweep](summary.png)", ""]
-    (out / "summary.md").write_text("\n".join(L))
-    (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
-    return out / "summary.md"
-
-# %% ../nbs/30_report.ipynb #16f62f3d
-SWEEP_INPUTS = "sweep.json"   # optional: write_summary's arguments, if the sweep stores them
-
-def _match_reference(out: Path) -> Path | None:
-    "The `_reference/*` run beside write-up `out` with the same model, batch, length, seed and learning rate."
-    try: cfg = read_config(out / "run")
-    except OSError: cfg = {}
-    keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_steps", "seed", "lr")
-    for d in sorted((out.parent / "_reference").glob("*")):
-        rc = read_yaml(d / "config.yaml")
-        if rc and all(rc.get(k) == cfg.get(k) for k in keys): return d
-    return None
-
-def report_inputs(out_dir) -> dict:
-    "The inputs of the write-up in `out_dir`: its `report_inputs.json`, else inferred (`inferred: True`)."
-    out = Path(out_dir)
-    inp = read_json(out / REPORT_INPUTS)
-    if isinstance(inp, dict): return inp
-    ref = _match_reference(out)
-    m = re.match(r"^(\w+)-s\d+-n\d+$", ref.name) if ref else None
-    return dict(run="run", ref=_rel(ref, out) if ref else None, unigram=None, title=None,
-                extra_setup={"preset": m.group(1)} if m else {}, inferred=True)
-
-def regenerate_report(out_dir, unigram: float | None = None) -> Path:
-    "Render the write-up in `out_dir` again from its committed folders; `unigram` overrides the stored baseline."
-    out = Path(out_dir); inp = report_inputs(out)
-    ref = (out / inp["ref"]) if inp.get("ref") else None
-    u = unigram if unigram is not None else inp.get("unigram")
-    return write_report(out / inp.get("run", "run"), ref, out, title=inp.get("title"), extra_setup=inp.get("extra_setup") or None, unigram=u)
-
-def _old_note(summary_md: Path) -> str:
-    "The settings paragraphs of an existing `summary.md`: between the reference figure and the table (else the master-weights line)."
-    lines = summary_md.read_text().splitlines() if summary_md.exists() else []
-    try:
-        i = lines.index("![reference](reference.png)")
-        j = next(k for k in range(i + 1, len(lines)) if lines[k].startswith("| run |"))
-        return "\n".join(lines[i + 1:j]).strip("\n")
-    except (ValueError, StopIteration):
-        return " ".join(l for l in lines if l.startswith("Master weights:"))
-
-def summary_inputs(sweep_dir, unigram: float | None = None) -> tuple[dict | None, str]:
-    """(the `write_summary` arguments of the sweep folder `sweep_dir`, '') or (None, why they cannot be told): names from
-    its `summary.json` rows; reference, steps, seed, preset from the reference folder; `note` from the old `summary.md`;
-    any of them (and `notes`) from `sweep.json` where the sweep stored it."""
-    d = Path(sweep_dir)
-    rows = read_json(d / "summary.json")
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and "name" in r for r in rows):
-        return None, "summary.json holds no list of named rows"
-    names = [r["name"] for r in rows]
-    args = read_json(d / SWEEP_INPUTS) or {}
-    w = [n for n in names if is_writeup(d / n)]
-    lost = [n for n in w if not has_run(d / n / "run")]
-    if lost: return None, f"no metrics for {', '.join(lost)} (run folders without metrics.jsonl/metrics.parquet)"
-    first = report_inputs(d / w[0]) if w else {}
-    refs = sorted(x for x in (d / "_reference").iterdir() if x.is_dir())
-    ref = (d / args["ref_dir"]) if args.get("ref_dir") else ((d / w[0] / first["ref"]) if first.get("ref") else (refs[0] if len(refs) == 1 else None))
-    if ref is None: return None, "cannot tell which _reference run the sweep used"
-    rc = read_yaml(ref / "config.yaml")
-    m = re.match(r"^(\w+)-s\d+-n\d+$", Path(ref).resolve().name)
-    kw = dict(out=d, names=args.get("names", names), ref_dir=ref, preset=args.get("preset", m.group(1) if m else "auto"),
-              steps=args.get("steps", rc.get("max_steps")), seed=args.get("seed", rc.get("seed")),
-              note=args["note"] if "note" in args else _old_note(d / "summary.md"),
-              unigram=unigram if unigram is not None else args.get("unigram", first.get("unigram")))
-    if "notes" in args: kw["notes"] = args["notes"]
-    return kw, ""
-
-def regenerate_summary(sweep_dir, unigram: float | None = None) -> tuple[Path | None, str]:
-    "(path of the rewritten `summary.md` or None, what was done) for the sweep folder `sweep_dir`."
-    kw, why = summary_inputs(sweep_dir, unigram)
-    if kw is None: return None, why + "; summary.md left as it is"
-    return write_summary(**kw), "rewritten by altgrad.report.write_summary"
-
-# %% ../nbs/30_report.ipynb #a5e0c007
-def report_cli(argv: list[str] | None = None) -> int:
-    "`altgrad-report PATH [--unigram X | --data-dir DIR] [--compact] [--no-summary]`"
-    p = argparse.ArgumentParser(prog="altgrad-report", description="Regenerate every write-up (report.md + figures) and "
-                                "sweep summary under PATH from the committed run folders alone: no data, no training.")
-    p.add_argument("path", help="a write-up folder (holding run/ and report.md) or a sweep folder (holding such folders and _reference/)")
-    p.add_argument("--unigram", type=float, default=None, help="unigram-baseline validation loss (nats/token), overriding the stored one")
-    p.add_argument("--data-dir", default=None, help="prepared EurLex folder to compute the unigram baseline from (overrides the stored one)")
-    p.add_argument("--compact", action="store_true", help="first write metrics.parquet for every run folder that still has metrics.jsonl")
-    p.add_argument("--no-summary", action="store_true", help="regenerate the write-ups only, not the sweep summaries")
-    a = p.parse_args(argv)
-    root = Path(a.path)
-    if not root.is_dir(): print(f"altgrad-report: {root} is not a folder", file=sys.stderr); return 2
-    writeups = find_writeups(root)
-    if not writeups:
-        print(f"altgrad-report: no write-up under {root}: a write-up is a folder holding run/config.yaml, as altgrad-sweep "
-              "lays them out (<out>/<name>/{report.md, figures/, run/})", file=sys.stderr); return 2
-    unigram = a.unigram
-    if unigram is None and a.data_dir:
-        unigram = unigram_baseline(a.data_dir)
-    matplotlib.use("Agg")
-    if a.compact:
-        runs = [w / "run" for w in writeups] + [r for s in find_sweeps(root) for r in sorted((s / "_reference").glob("*"))]
-        for r in runs:
-            if (r / METRICS_JSONL).exists(): print(f"[altgrad-report] compacted {compact_metrics(r)}")
-    skipped, run_only = 0, [w for w in writeups if not (w / "report.md").exists()]
-    for w in writeups:
-        if w in run_only and w != root: continue                  # a sweep cell kept as its run only: nothing to render
-        try: print(f"[altgrad-report] {regenerate_report(w, unigram)}")
-        except FileNotFoundError as e:
-            skipped += 1
-            print(f"[altgrad-report] skipped {w}: {e} (a run committed before compact metrics existed: re-run it, or "
-                  "`altgrad-report --compact` where its metrics.jsonl is still on disk)", file=sys.stderr)
-    if run_only: print(f"[altgrad-report] {len(run_only)} sweep cell(s) hold their run only (no report.md): no write-up to regenerate")
-    if not a.no_summary:
-        for s in find_sweeps(root):
-            path, what = regenerate_summary(s, unigram)
-            print(f"[altgrad-report] {path or s / 'summary.md'}: {what}", file=sys.stdout if path else sys.stderr)
-        if find_matrices(root):                           # after the sweeps: a matrix tabulates their summaries
-            for m in find_matrices(root): print(f"[altgrad-report] {write_matrix(m)}")
-    return 1 if skipped else 0

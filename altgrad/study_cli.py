@@ -18,7 +18,7 @@ from .study import (DISTINCT_FORMATS, STUDY_RULES, StudyPlan, Protocol, parse_sh
 from .answer import report_study
 
 # %% auto #0
-__all__ = ['refuse_other_design', 'run_decisive', 'check_jobs', 'study_total', 'finished_runs', 'shard_commands', 'run_jobs',
+__all__ = ['refuse_other_design', 'run_decisive', 'check_jobs', 'study_total', 'count_finished', 'shard_commands', 'run_jobs',
            'train_in_jobs', 'study_cli']
 
 # %% ../nbs/37_study_cli.ipynb #37a00007
@@ -103,7 +103,7 @@ def study_total(plan: StudyPlan, proto: Protocol) -> int:
     first = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults)]
     return len(first) + len(decisive_seed_specs(plan, proto, {r: 1.0 for r in plan.rules}))
 
-def finished_runs(out, seen: set | None = None) -> int:
+def count_finished(out, seen: set | None = None) -> int:
     "How many run folders in `out/runs` hold a result (`altgrad.runs.run_status` in `DONE`); `seen` caches the names found so far."
     seen = set() if seen is None else seen
     for p in (Path(out) / "runs").glob("*/summary.json"):
@@ -122,7 +122,7 @@ def run_jobs(argv, n: int, out, cpu: bool, total: int = 0) -> dict:
     SIGINT/SIGTERM: every shard stops at a checkpoint, then `JobsInterrupted`."""
     out, seen, last = Path(out), set(), [0.0, 0]
     def count():
-        if time.time() - last[0] > 2: last[:] = [time.time(), finished_runs(out, seen)]     # reread every 2 s at most
+        if time.time() - last[0] > 2: last[:] = [time.time(), count_finished(out, seen)]     # reread every 2 s at most
         return last[1], max(total, last[1])
     jobs = [Job(f"shard {i}/{n}", cmd, out / ".jobs" / f"shard-{i}.log") for i, cmd in enumerate(shard_commands(argv, n))]
     return run_pool(jobs, n, job_env(cpu), count=count, desc="study runs finished", prefix="[altgrad-study]", poll=0.5)
@@ -162,7 +162,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-shadow", dest="shadow", action="store_false", help="FP32 shadow off (cpu default)")
     p.set_defaults(shadow=None)
     h = p.add_mutually_exclusive_group()
-    h.add_argument("--shard", help="i/n: train only the runs j with j %% n == i (see --collect)")
+    h.add_argument("--shard", help="i/n: train only shard i's runs (a run's shard: a stable hash "
+                   "of its name, mod n; altgrad.study.name_shard), then merge with --collect")
     h.add_argument("--collect", nargs="+", metavar="DIR", help="merge the runs of these shard folders into --out (no training), then write the outputs")
     h.add_argument("--report-only", action="store_true", help="rewrite answer.md, study.json and the figures from the run folders in --out alone")
     p.add_argument("--share-work", action="store_true", help="with --shard, shards sharing one --out: after its own runs a shard trains "
@@ -176,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wandb-mode", default="disabled")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another TrainConfig override for every run, e.g. eval_iters=20")
     p.add_argument("--dry-run", action="store_true", help="print the runs of this invocation and the estimated time; train nothing")
-    d = p.add_argument_group("the decisive protocol (issue 18)")
+    d = p.add_argument_group("the decisive protocol")
     d.add_argument("--design", choices=("decisive",), default="decisive", help="the only design (the retired first design, "
                    f"legacy, is in commit {RETIRED_DESIGN_COMMIT}); accepted so that recorded commands run")
     d.add_argument("--tuning-seeds", help="seeds that only choose the learning rate (default: 42,43,44)")

@@ -16,7 +16,8 @@ from .optim import OPTIMIZERS, default_lr_scale
 from .trainer import Trainer, Interrupted
 from .regimes import UPDATE_RULES, get_rule
 from .runs import Run, load_run, REUSED_FILE, DONE, run_status, check_run, config_reasons, data_identity, ignored_key
-from .report import run_summary, write_summary, short_layer, model_layers, nan_origin
+from .report import run_summary, short_layer, nan_origin
+from .sweep_summary import write_summary, model_layers
 from .pool import JobsInterrupted, Job, run_pool, job_env, runs_on_cpu, one_thread
 from .matrix import write_matrix
 

@@ -4,15 +4,18 @@
 
 # %% ../nbs/33_testing.ipynb #0a34afe3
 from __future__ import annotations
-import json
+import json, math
 from pathlib import Path
+import numpy as np
 import yaml
-from .tracking import METRICS_COMPACT, write_metrics_compact
+from .grid import LANDINGS
+from .runs import ALERTS_COMPACT, ALERTS_JSONL
+from .tracking import METRICS_COMPACT, METRICS_JSONL, encode_json, write_metrics_compact
 from .study import (ANALYSIS_RULES, INPUTS_FILE, SEED_EXPECTATIONS, StudyPlan, bracket_grids, decisive_choice, decisive_command,
                            decisive_lr_specs, decisive_seed_specs, json_safe, run_dir)
 
 # %% auto #0
-__all__ = ['write_fake_run', 'fake_decisive_study']
+__all__ = ['SYN_LAYERS', 'write_fake_run', 'write_synthetic_run', 'fake_decisive_study']
 
 # %% ../nbs/33_testing.ipynb #3c3e0abf
 def write_fake_run(d, loss: float | None, steps: int = 10, fmt: str | None = "E4M3", seed: int = 42, pred_stall: float = 0.5,
@@ -31,6 +34,97 @@ def write_fake_run(d, loss: float | None, steps: int = 10, fmt: str | None = "E4
     (d / "summary.json").write_text(json.dumps(dict(final_step=nan_at or steps, max_steps=steps, stopped_reason="nan" if nan_at else "max_steps",
                                                     first_nan_step=nan_at, seconds=seconds, device="cpu")))
     (d / "config.yaml").write_text(yaml.safe_dump(dict(fmt=fmt, max_steps=steps, seed=seed, precision=precision, lr=1e-3)))
+    return d
+
+# %% ../nbs/33_testing.ipynb #29a00011
+SYN_LAYERS = ["transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_proj"]
+_SYN_LINEAR = SYN_LAYERS + ["transformer.h.1.attn.c_proj"]   # the 4th stays in high precision
+_N_RBINS = 48                                                 # len(altgrad.grid.R_EDGES) - 1
+
+def _syn_mechanism(s: int, layers: list[str], on_grid: bool, kahan: bool) -> dict:
+    "Update-mechanism metrics of synthetic step `s`: simple functions of the step and the layer index."
+    r = {}
+    for i, l in enumerate(layers):
+        rho = 0.5 + 0.1 * i + 0.002 * s
+        r.update({f"update_ratio/{l}": 0.1 * (i + 1) + 0.001 * s, f"pred_stall/{l}": 0.6 - 0.1 * i, f"rho/{l}": rho,
+                  f"lost_update/{l}": 1 - rho, f"zero_frac/{l}": 0.001 * i})
+        if on_grid: r[f"flip_back/{l}"] = 0.01 * (i + 1)
+        if kahan: r[f"residual_ulp/{l}"] = 0.3
+    for k in ("update_ratio", "pred_stall", "rho", "lost_update", "zero_frac", "flip_back", "residual_ulp"):
+        v = [r[f"{k}/{l}"] for l in layers if f"{k}/{l}" in r]
+        if v: r[f"{k}/total"] = sum(v) / len(v)
+    r["stall/total"] = 0.3
+    return r
+
+def _syn_record(s: int, rng, fmt, shadow: bool, cos, divergence_at, lost_update, mechanism: bool, on_grid: bool, kahan: bool) -> dict:
+    "One synthetic step's metrics (before NaN and validation)."
+    loss = 8.0 * math.exp(-s / 30) + 3 + 0.05 * rng.standard_normal()
+    r = {"step": s, "train/loss": loss, "train/lr": 1e-3, "perf/tokens_per_sec": 1000.0}
+    r["divergence"] = float(divergence_at is not None and s >= divergence_at)
+    for p in _SYN_LINEAR + ["transformer.h.0.ln_1", "transformer.wte"]: r[f"grad_norm_l2/{p}.weight"] = 0.1
+    if fmt:
+        for i, l in enumerate(SYN_LAYERS):
+            for t in "wag":
+                r[f"overflow/{l}/{t}"] = (0.002 * s if i == 2 and t == "g" else 0.0)
+                r[f"underflow/{l}/{t}"] = 0.01 * i
+            r[f"stall/{l}"] = 0.2 + 0.1 * i
+        if mechanism: r.update(_syn_mechanism(s, SYN_LAYERS, on_grid, kahan))
+        if lost_update is not None: r["lost_update/total"] = lost_update
+        if s == 25: r[f"intervention/{SYN_LAYERS[2]}"] = 1.0
+    if shadow:
+        q = cos if cos is not None else 0.99 - 0.001 * s
+        r["grad_cos_sim/mean"], r["grad_cos_sim/min"] = 0.99 - 0.001 * s, 0.9 - 0.002 * s
+        if fmt:
+            r["grad_cos_sim/quantized_mean"] = q
+            for i, l in enumerate(SYN_LAYERS): r[f"grad_cos_sim/{l}.weight"] = q + 0.001 * (i - 1)
+    return r
+
+def _syn_histograms(rng, steps: int, mechanism: bool) -> dict:
+    h = {str(s): {l: {t: rng.integers(0, 50, 256).tolist() for t in "wag"} for l in SYN_LAYERS} for s in (1, steps // 2, steps)}
+    if mechanism:
+        for st in h.values():
+            for l in SYN_LAYERS: st[l]["r"] = rng.integers(0, 50, _N_RBINS).tolist()
+    return h
+
+# %% ../nbs/33_testing.ipynb #29a00012
+def write_synthetic_run(d, steps: int = 50, nan_at: int | None = None, fmt: str | None = "E7M0", seed: int = 0, *,
+                        stop_at: int | None = None, val_factor: float = 1.0, cos: float | None = None, shadow: bool = True,
+                        divergence_at: int | None = None, lost_update: float | None = None, counts: bool = True,
+                        master_weights: str = "fp32", jsonl: bool = True, mechanism: bool = False,
+                        weight_update: str = "nearest", optimizer: str = "adamw", lr_scale: float | None = None,
+                        residual_dtype: str = "fp32", histograms: bool = True) -> Path:
+    "Write a small fake run folder (metrics, alerts, summary, config, histograms) for tests and examples."
+    d = Path(d); d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    recs, first_nan = [], None
+    last_step = min(steps, stop_at or steps)
+    for s in range(1, last_step + 1):
+        r = _syn_record(s, rng, fmt, shadow, cos, divergence_at, lost_update, mechanism, master_weights == "format",
+                        LANDINGS[weight_update].residual)
+        loss = r["train/loss"]
+        if nan_at and s >= nan_at:
+            r["train/loss"] = float("nan"); first_nan = first_nan or s
+            r["nan/source"] = SYN_LAYERS[2]
+        if s % 10 == 0 or s == last_step: r["val/loss"] = (loss + 0.1) * val_factor; r["val/ppl"] = math.exp(r["val/loss"])
+        recs.append(r)
+        if nan_at and s >= nan_at + 2: break
+    alerts = [dict(kind="intervention", level="WARN", title="partition-relative clipping", text=f"{SYN_LAYERS[2]}: overflow 5%", step=25)]
+    if first_nan: alerts.append(dict(kind="nan", level="ERROR", title="Non-finite loss", text=f"first non-finite gradient in {SYN_LAYERS[2]}", step=first_nan))
+    if jsonl:
+        (d / METRICS_JSONL).write_text("".join(json.dumps(encode_json(r)) + "\n" for r in recs))
+        (d / ALERTS_JSONL).write_text("".join(json.dumps(a) + "\n" for a in alerts))
+    else: write_metrics_compact(recs, d / METRICS_COMPACT); write_metrics_compact(alerts, d / ALERTS_COMPACT)
+    stopped = "nan" if first_nan else ("interrupted" if stop_at and stop_at < steps else "max_steps")
+    summary = dict(final_step=recs[-1]["step"], max_steps=steps, first_nan_step=first_nan, stopped_reason=stopped,
+                   final_val_loss=[r for r in recs if "val/loss" in r][-1]["val/loss"], device="cpu", autocast=None)
+    if counts:
+        q = SYN_LAYERS if fmt else []
+        summary.update(linear_layers=len(_SYN_LINEAR), quantized_layers=len(q), quantized_layer_names=q)
+    (d / "summary.json").write_text(json.dumps(summary))
+    cfg = dict(fmt=fmt, max_steps=steps, seed=42, n_layer=2, preset="smoke", master_weights=master_weights)
+    if mechanism: cfg.update(weight_update=weight_update, optimizer=optimizer, lr_scale=lr_scale, residual_dtype=residual_dtype)
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    if fmt and histograms: (d / "histograms.json").write_text(json.dumps(_syn_histograms(rng, steps, mechanism)))
     return d
 
 # %% ../nbs/33_testing.ipynb #dd1a112f

@@ -196,8 +196,9 @@ def _sync(dev_type: str):
     if dev_type == "cuda": torch.cuda.synchronize()
 
 def lr_scale_of(cfg) -> float:
-    "Factor from the schedule's `lr` to the optimizer's: `cfg.lr_scale`, or the base rule's default (`optim.default_lr_scale`)."
-    return cfg.lr_scale if cfg.lr_scale is not None else default_lr_scale(cfg.optimizer)
+    "Factor from the schedule's `lr` to the optimizer's: `cfg.effective_lr_scale`, or `optim.default_lr_scale`."
+    s = cfg.effective_lr_scale
+    return s if s is not None else default_lr_scale(cfg.optimizer)
 
 def grid_params(model: nn.Module, cfg) -> dict | None:
     "Per-parameter optimizer options when the weights live on the grid: the registry entry's hook (`OptimizerSpec.grid_params`)."

@@ -1,4 +1,4 @@
-"""A new landing and a new optimizer, registered from outside the package (issue 27, item 1: "measure it").
+"""A new landing and a new optimizer, registered from outside the package.
 
 Each is one registration here and nothing in `altgrad` names it: a biased rounding that carries a residual
 (`shrink`: w + u + residual shrunk by 1/16 toward zero, then rounded to nearest) and SGD with momentum. Each trains a
@@ -75,7 +75,7 @@ def test_new_landing_and_optimizer(tmp_path, small_data, extensions, monkeypatch
     assert "per-weight residual" not in text["sgdm"] and "updates the grid cannot hold are lost" in text["sgdm"]
 
     # the rules matrix: one weights-on-grid sweep folder per rule
-    from altgrad.report import summary_rows
+    from altgrad.sweep_summary import summary_rows
     from altgrad.runs import load_run
     from altgrad.matrix import matrix_markdown, rule_matrix
     for name in runs:
@@ -91,10 +91,14 @@ def test_new_landing_and_optimizer(tmp_path, small_data, extensions, monkeypatch
 
     # the study: the rules are valid choices, at their optimizer's rate, labelled and compared by capability
     from altgrad.study import lr_scale_for, normalize_rules
-    from altgrad.answer import landing_note, rule_label, same_landing
+    from altgrad.answer import decisive_protocol_section
     assert normalize_rules(["stochastic", "shrink", "sgdm"]) == ["fp32", "nearest", "stochastic", "shrink", "sgdm"]
     assert (lr_scale_for("sgdm", 1.0), lr_scale_for("shrink", 3.0)) == (30.0, 3.0)
-    assert rule_label("shrink") == "biased shrink rounding with residual"
-    assert same_landing("sgdm", ["nearest", "stochastic", "sgdm"]) == "stochastic" and same_landing("shrink", ["shrink"]) is None
-    note = landing_note(["nearest", "stochastic", "sgdm"])
-    assert note and "sgdm" in note[0] and "weight_update=stochastic" in note[0] and "exponent step" not in note[0]
+    # what the study's answer.md prints for them: each regime by name and registry label in its protocol
+    plan = dict(preset="smoke", steps=4, formats=["E4M3"], rules=["fp32", "nearest", "shrink", "sgdm"])
+    proto = dict(tuning_seeds=[1], heldout_seeds=[2], base_mults=[1.0], extend_factor=3, max_extensions=0,
+                 choice_rule="min")
+    st = dict(plan=plan, protocol=proto, budget=dict(runs=8, total_seconds=60.0), devices=["cpu"])
+    protocol = "\n".join(decisive_protocol_section(st, {}))
+    assert ("**regimes** `fp32` (FP32 master weights), `nearest` (round-to-nearest), `shrink` (biased shrink rounding "
+            "with residual), `sgdm` (SGD with momentum (stochastic landing))") in protocol, protocol

@@ -1,5 +1,5 @@
 """System tests of interrupts: every entry point, interrupted mid-run and then run again with the same command, loses
-nothing (issue 19.2).
+nothing.
 
 Each test starts the command in its own process group, waits until the run has logged a few steps, sends SIGINT to
 the whole group (what Ctrl-C in a terminal does) or SIGTERM (a scheduler, `kill`), and checks:

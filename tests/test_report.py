@@ -16,7 +16,8 @@ def _report_cmd() -> list[str]:
     exe = BIN / "altgrad-report"
     if exe.exists(): return [str(exe)]
     if shutil.which("altgrad-report"): return [shutil.which("altgrad-report")]
-    return [sys.executable, "-c", "import sys; from altgrad.report import report_cli; sys.exit(report_cli(sys.argv[1:]))"]
+    return [sys.executable, "-c",
+            "import sys; from altgrad.sweep_summary import report_cli; sys.exit(report_cli(sys.argv[1:]))"]
 
 
 def _cli(*args, cwd=ROOT):
@@ -25,7 +26,8 @@ def _cli(*args, cwd=ROOT):
 
 def _sweep(root: Path, names=("E7M0", "E5M2")) -> Path:
     "A sweep-like folder: a reference, one write-up per name (run/ + report), the sweep's summary.json and summary.md."
-    from altgrad.report import write_synthetic_run, write_report
+    from altgrad.report import write_report
+    from altgrad.testing import write_synthetic_run
     ref = write_synthetic_run(root / "_reference" / "smoke-s42-n50", fmt=None)
     for n, kw in zip(names, (dict(val_factor=1.09, cos=0.8, master_weights="format"), {})):
         write_synthetic_run(root / n / "run", fmt=n, **kw)
@@ -69,12 +71,12 @@ def test_cli_regenerates_writeups_byte_identical(tmp_path):
 
 
 def test_cli_rewrites_sweep_summary(tmp_path):
-    "A sweep folder: the write-ups and summary.md (by altgrad.report.write_summary) come out the same on every call."
+    "A sweep folder: the write-ups and summary.md (altgrad.sweep_summary.write_summary) come out the same every call."
     sw = _sweep(tmp_path / "outputs")
     r = _cli(sw)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout + r.stderr
-    assert "summary.md: rewritten by altgrad.report.write_summary" in out, out
+    assert "summary.md: rewritten by altgrad.sweep_summary.write_summary" in out, out
     md = (sw / "summary.md").read_text()
     assert "[E7M0](E7M0/report.md)" in md and "Master weights: on the 8-bit grid (test)." in md
     first = _files(sw, ("report.md", "summary.md", "summary.json"))
@@ -135,7 +137,8 @@ def test_real_run_compact_metrics(data, tmp_path):
 
 def test_cli_regenerates_rule_matrix(tmp_path):
     "A folder of weights-on-grid sweeps, one per update rule: `altgrad-report` rewrites each sweep, then the matrix."
-    from altgrad.report import write_synthetic_run, write_report
+    from altgrad.report import write_report
+    from altgrad.testing import write_synthetic_run
     from altgrad.matrix import write_matrix
     root = tmp_path / "rules"
     for rule, wu, factors in (("nearest", "nearest", (1.09, 1.02)), ("kahan", "kahan", (1.03, 1.01))):
@@ -148,7 +151,7 @@ def test_cli_regenerates_rule_matrix(tmp_path):
         (sw / "summary.json").write_text(json.dumps([dict(name=n) for n in ("E7M0", "E5M2")]))
         (sw / "summary.md").write_text("# Sweep summary\n\nMaster weights: on the 8-bit grid (test).\n")
         r = _cli(sw)
-        assert r.returncode == 0 and "rewritten by altgrad.report.write_summary" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 0 and "rewritten by altgrad.sweep_summary.write_summary" in r.stdout, r.stdout + r.stderr
     write_matrix(root, note="Settings: synthetic.")
     first = _files(root, ("summary.md", "matrix.json"))
     (root / "summary.md").unlink(); (root / "matrix.png").unlink()
@@ -167,7 +170,8 @@ def test_cli_regenerates_rule_matrix(tmp_path):
 def test_lean_run_folder_regenerates(tmp_path):
     "A write-up whose run keeps only what the lean tree keeps (compact metrics and alerts, no histograms.json) renders "
     "the same report, minus the histogram figure."
-    from altgrad.report import write_synthetic_run, write_report
+    from altgrad.report import write_report
+    from altgrad.testing import write_synthetic_run
     from altgrad.tracking import compact_run
     sw = _sweep(tmp_path / "outputs", names=("E5M2",))
     run = sw / "E5M2" / "run"

@@ -1,10 +1,10 @@
-"The tracked tree stays lean (issue 17): a budget on its size, and no checkpoint, W&B folder, raw log or prepared data."
+"The tracked tree stays lean: a budget on its size, and no checkpoint, W&B folder, raw log or prepared data."
 import re, subprocess
 from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET = 25 * 2**20          # bytes (issue "the house": each study one dataset, room left for the next); the GPU machine's copy limit is 64 MiB
+BUDGET = 25 * 2**20          # bytes (each study one dataset, room left for the next); the GPU machine's copy limit is 64 MiB
 FORBIDDEN = [(r"(^|/)checkpoints?(\.[^/]*)?/|\.pt$", "a checkpoint"), (r"(^|/)wandb/", "a W&B folder"),
              (r"(^|/)metrics(\.[^/]*)?\.jsonl$", "raw per-step metrics (commit the compact metrics.parquet)"),
              (r"(^|/)(data|data_prepared)/|\.bin$|(^|/)_data/", "prepared data (altgrad-prepare makes it again)"),

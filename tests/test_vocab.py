@@ -69,7 +69,7 @@ def test_trainer_runs_on_the_compact_vocabulary(tmp_path, data):
 
 
 def test_study_shape_puts_the_compute_in_8_bits():
-    "The proposed study shape (issue 18): >= 50% of parameters and of matmul FLOPs in the 8-bit layers at K = 4096."
+    "The proposed study shape: >= 50% of parameters and of matmul FLOPs in the 8-bit layers at K = 4096."
     from altgrad.model import GPT, GPTConfig
     with torch.device("meta"):
         full = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=4, n_head=4, n_embd=128)).compute_split()

@@ -1,4 +1,4 @@
-"""Convert the committed `outputs/` to the compact run format (issue 17): a conversion, not retraining.
+"""Convert the committed `outputs/` to the compact run format: a conversion, not retraining.
 
 - every run folder (config.yaml + metrics) is rewritten by `altgrad.tracking.compact_run`:
   the main job's write-up runs (`outputs/<FMT>/run`) keep every column and their histograms (their report draws them);

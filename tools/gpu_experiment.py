@@ -1,4 +1,4 @@
-"""The seeds' GPU experiment (issue 20) inside one lease of a GPU machine.
+"""The seeds' GPU experiment inside one lease of a GPU machine.
 
 The runs, in the seeds' order: the reference (BF16 autocast on CUDA); every format of `altgrad.sweep.SEED_ORDER` with
 FP32 master weights and the FP32 shadow, less a format grid-equivalent to an earlier one (E0M7 is E1M6's grid scaled by

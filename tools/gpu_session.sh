@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 20 in one lease of a GPU machine (the device tool's `run`), from the repository root:
+# The GPU experiment in one lease of a GPU machine (the device tool's `run`), from the repository root:
 #   carry: .whl (wheels of what the machine lacks), .gpu (the tiktoken cache), outputs/gpu/_data (the prepared EurLex data)
 #   1. the gpu-marked tests (CUDA bit-exactness), 2. the benchmarks (quantize, the 8-bit step vs the BF16 step, the rules,
 #   runs per hour against concurrent runs), 3. the seeds' experiment at the gpu preset (tools/gpu_experiment.py) until the

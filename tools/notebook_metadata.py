@@ -1,4 +1,4 @@
-"""Stamp every notebook with the metadata JupyterLab writes when it opens one, so notebooks open unmodified (issue 19).
+"""Stamp every notebook with the metadata JupyterLab writes when it opens one, so notebooks open unmodified.
 
 JupyterLab adds `language_info` on load when it is missing and sets `kernelspec` and `language_info` from the started
 kernel; any difference marks the notebook modified. settings.ini keeps `language_info` through `nbdev_clean`

@@ -1,4 +1,4 @@
-"""Pack the committed studies of many small run folders into one dataset each (issue "the house"): a conversion, not retraining.
+"""Pack the committed studies of many small run folders into one dataset each: a conversion, not retraining.
 
 - `outputs/study` (the decisive study, 432 runs under runs/<name>/) -> outputs/study/{runs.parquet, steps.parquet, alerts.parquet},
   keeping the per-step columns its answer reads (`altgrad.answer.STUDY_COLUMNS`: val/loss and the update mechanism's totals);
