@@ -4,7 +4,7 @@
 
 # %% ../nbs/27_bench.ipynb #2da6149b
 from __future__ import annotations
-import argparse, json, platform, statistics, sys, tempfile, time
+import argparse, json, os, platform, statistics, sys, tempfile, time
 from pathlib import Path
 from typing import Callable
 import torch
@@ -39,9 +39,13 @@ def time_side_by_side(fns: dict[str, Callable[[], object]], repeats: int = 7, wa
 
 # %% ../nbs/27_bench.ipynb #7cc4aab1
 def _env(device) -> dict:
-    "Where a benchmark ran: device (with the GPU's name and the CUDA version on CUDA), torch, threads, CPU, Python."
+    """Where a benchmark ran: device (with the GPU's name and the CUDA version on CUDA), torch, threads, CPU, Python,
+    and how busy the machine was (`load_average` over 1, 5 and 15 minutes against its `cores`: above the cores,
+    every timing shares the CPU; ratios of interleaved variants suffer less than absolute times)."""
+    load = dict(load_average=[round(v, 2) for v in os.getloadavg()], cores=os.cpu_count()) \
+        if hasattr(os, "getloadavg") else {}
     return dict(device=str(device), **{k: v for k, v in device_info(device).items() if v is not None}, threads=torch.get_num_threads(),
-                cpu=platform.processor() or platform.machine(), python=platform.python_version())
+                cpu=platform.processor() or platform.machine(), python=platform.python_version(), **load)
 
 def _sync_for(device) -> Callable[[], None]:
     return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
@@ -191,7 +195,8 @@ def _utilisation(flops: float, step_time: dict, device, amp_dtype) -> dict:
 def compile_goals(ratio: dict, fmt: str | None) -> dict:
     """The compiled step's goals from `bench_train`'s ratios (to eager plain): compiled plain faster than eager plain,
     and the compiled 8-bit step within `TRAIN_TARGET` of the compiled plain one."""
-    out = {"plain+compiled_over_plain": dict(ratio=ratio["plain+compiled"], target="< 1", met=ratio["plain+compiled"] < 1)}
+    r = ratio["plain+compiled"]
+    out = {"plain+compiled_over_plain": dict(ratio=r, target="< 1", met=r < 1)}
     if fmt:
         r = ratio[f"{fmt}+compiled"] / ratio["plain+compiled"]
         out[f"{fmt}+compiled_over_plain+compiled"] = dict(ratio=r, target=TRAIN_TARGET, met=r <= TRAIN_TARGET)
@@ -312,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile the 8-bit trainer over STEPS further steps: share of time in the 8-bit layers, top operators")
     t.add_argument("--no-shadow", action="store_true", help="without --rules: leave out the +shadow trainers")
-    t.add_argument("--compiled", action="store_true", help="without --rules: also time plain and 8-bit under compile=on")
+    t.add_argument("--compiled", action="store_true", help="without --rules: also plain and 8-bit with compile=on")
     t.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the preset's, auto = CUDA when there is one)")
     j = sub.add_parser("jobs", help="runs per hour against concurrent runs per device; the knee is --jobs' default", parents=[strict])
     j.add_argument("--preset", default="gpu")

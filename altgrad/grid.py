@@ -136,8 +136,9 @@ def lower_median(x: torch.Tensor) -> torch.Tensor:
     return torch.tensor(math.nan if np.isnan(part[k:]).any() else part[k], dtype=x.dtype)
 
 def masked_lower_median(x: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
-    """`lower_median(x[mask])` without a host read (no data-dependent shape): the ((k-1)//2)-th smallest selected value
-    of a sort that puts the others last (+inf; NaNs sort after it), NaN if a selected value is NaN, `empty` if none is."""
+    """`lower_median(x[mask])` without a host read (no data-dependent shape): the ((k-1)//2)-th smallest selected
+    value of a sort that puts the others last (+inf; NaNs sort after it), NaN if a selected value is NaN, `empty` if
+    none is."""
     x, mask = x.reshape(-1), mask.reshape(-1)
     k = mask.sum()
     srt = torch.where(mask, x, torch.full_like(x, math.inf)).sort().values

@@ -49,7 +49,7 @@ def _pairs(named_params) -> list[tuple[str, torch.Tensor]]:
     return list(named_params)
 
 def queue_gradient_metrics(reads: HostRead, named_params, dead: DeadNeuronTracker | None = None, small: float = 1e-8):
-    "Queue `gradient_metrics` on `reads`: the statistics are computed now, on the device; their dict comes with the read."
+    "Queue `gradient_metrics` on `reads`: the statistics computed now, on the device; their dict comes with the read."
     items = [(n, p.grad) for n, p in _pairs(named_params) if p.grad is not None]
     if not items: return reads.add(torch.zeros(0), lambda _: {})
     stats = grad_stats_batch([g for _, g in items], small)                    # [P, 4], no sync
@@ -63,7 +63,8 @@ def queue_gradient_metrics(reads: HostRead, named_params, dead: DeadNeuronTracke
         out, P = {}, len(items)
         for i, (n, _) in enumerate(items):
             l2, linf, snr, frac = flat[4 * i: 4 * i + 4]
-            out |= {f"grad_norm_l2/{n}": l2, f"grad_norm_linf/{n}": linf, f"grad_snr/{n}": snr, f"grad_frac_small/{n}": frac}
+            out |= {f"grad_norm_l2/{n}": l2, f"grad_norm_linf/{n}": linf, f"grad_snr/{n}": snr,
+                    f"grad_frac_small/{n}": frac}
         out |= {f"dead_neuron_frac/{n}": v for n, v in zip(dead_names, flat[4 * P: 4 * P + len(dead_names)])}
         out["grad_norm_l2/total"], out["grad_norm_linf/total"] = flat[-2], flat[-1]
         return out

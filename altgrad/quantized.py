@@ -573,20 +573,23 @@ def queue_quant_metrics(reads: HostRead, model: nn.Module) -> HostRead:
         all_reduce_sum(t)
         for j, i in enumerate(summed): rows[i] = t[j, :3]
         totals = t[:, 3]
-    vals = torch.stack([r.to(rows[0].device, torch.float64) for r in rows]) if rows else torch.zeros(0, 3)
-    sums = torch.stack([v.to(upd[0][2].device) for *_, v in upd]) if upd else torch.zeros(0, len(STAT_FIELDS))
+    dev = rows[0].device if rows else upd[0][2].device if upd else torch.device("cpu")
+    vals = torch.stack([r.to(dev, torch.float64) for r in rows]) if rows else torch.zeros(0, 3, dtype=torch.float64,
+                                                                                          device=dev)
+    sums = torch.stack([v.to(dev) for *_, v in upd]) if upd else torch.zeros(0, len(STAT_FIELDS), device=dev)
     for _, m in layers:                                   # (the stacks above are copies: reset now)
         for q in m.quantizers().values(): q.reset_counts()
         m._stall = None; m._decay = None; m._clipped.zero_()
-    nv, nt = vals.numel(), totals.numel()
+    nv, nt, F = vals.numel(), totals.numel(), len(STAT_FIELDS)
     def build(flat):
         for j, i in enumerate(summed): meta[i] = (meta[i][0], meta[i][1], int(flat[nv + j]), meta[i][3])
         return _quant_metrics_dict(meta, [flat[3 * k: 3 * k + 3] for k in range(len(rows))], upd,
-                                   [flat[nv + nt + k * len(STAT_FIELDS): nv + nt + (k + 1) * len(STAT_FIELDS)] for k in range(len(upd))])
-    return reads.add(torch.cat([vals.reshape(-1), totals.to(vals.device, torch.float64), sums.reshape(-1).to(vals.device, torch.float64)]), build)
+                                   [flat[nv + nt + k * F: nv + nt + (k + 1) * F] for k in range(len(upd))])
+    flat = torch.cat([vals.reshape(-1), totals.to(dev, torch.float64), sums.reshape(-1).to(dev, torch.float64)])
+    return reads.add(flat, build)
 
 def _quant_metrics_dict(meta: list, vals: list, upd: list, sums: list) -> dict:
-    "`quant_metrics`'s dict from the numbers read: range counts, decay and clip rows (`meta`), update statistics (`upd`)."
+    "`quant_metrics`' dict from the numbers read: range counts, decay and clip rows (`meta`), update statistics (`upd`)."
     out, ovf_max = {}, 0.0
     for (name, role, n, nonsat), (a, b, c) in zip(meta, vals):
         if role == "clip":

@@ -111,7 +111,7 @@ def queue_grad_cosine(reads: HostRead, pairs: dict, prefix: str = "grad_cos_sim/
     if not pairs: return reads.add(torch.zeros(0), lambda _: {})
     names = list(pairs)
     dots = torch.stack([_dots(*pairs[n]) for n in names])
-    return reads.add(dots, lambda flat: _cosines(pairs, names, [flat[3 * i: 3 * i + 3] for i in range(len(names))], prefix))
+    return reads.add(dots, lambda v: _cosines(pairs, names, [v[3 * i: 3 * i + 3] for i in range(len(names))], prefix))
 
 def _cosines(pairs: dict, names: list, vals: list, prefix: str) -> dict[str, float]:
     for i, n in enumerate(names):   # float32 overflow (not NaN input): redo this tensor in float64

@@ -45,3 +45,23 @@ def test_batched_reads_log_the_same_metrics(tmp_path, small_data):
             assert not bad, f"{k} step {step}: {[(m, ma[m], mb[m]) for m in bad[:5]]}"
             n += len(ma)
     assert n > 1000, n
+
+
+def test_committed_configs_keep_their_step():
+    """Issue 29, item 5: the `compile` switch leaves every committed run's resolved config as it was (each holds
+    `compile: false`, which still reads as `off` and is written back as `false`), so `same_config`/`check_run` reuse
+    and resume them, the confirmatory study's runs included; a config without the key means `off` as well."""
+    import glob, json, yaml
+    import pyarrow.parquet as pq
+    from altgrad.config import TrainConfig, load_config, missing_keys
+    raws = [yaml.safe_load(open(f)) for f in glob.glob(str(ROOT / "outputs/**/config.yaml"), recursive=True)]
+    for f in glob.glob(str(ROOT / "outputs/**/runs.parquet"), recursive=True):
+        raws += [json.loads(s) if s.lstrip().startswith("{") else yaml.safe_load(s)
+                 for s in pq.read_table(f, columns=["config"]).column("config").to_pylist()]
+    assert len(raws) > 500, len(raws)
+    for raw in raws:
+        assert raw["compile"] is False and "compile" not in missing_keys(raw)
+    for raw in raws[:: max(1, len(raws) // 25)]:                     # a sample through the whole loader: ~25 configs
+        raw = dict(raw); cfg = load_config(raw.pop("preset", None), **raw)
+        assert cfg.compile is False and cfg.to_dict()["compile"] is False
+    assert TrainConfig().compile is False and TrainConfig(**{}).to_dict()["compile"] is False
