@@ -4,7 +4,7 @@
 
 # %% ../nbs/27_bench.ipynb #2da6149b
 from __future__ import annotations
-import argparse, json, platform, statistics, sys, tempfile, time
+import argparse, json, os, platform, statistics, sys, tempfile, time
 from pathlib import Path
 from typing import Callable
 import torch
@@ -21,8 +21,8 @@ from .trainer import Trainer, device_info
 # %% auto #0
 __all__ = ['COMPILE_PROBE', 'BYTES_PER_ELEMENT', 'BLOCK_TARGET', 'DEFAULT_RULES', 'RULE_TARGETS', 'TRAIN_TARGET',
            'PROFILE_REGIONS', 'time_side_by_side', 'bench_quantize', 'bench_blocks', 'interleave_steps', 'bench_rules',
-           'unmet_goals', 'layer_time_share', 'bench_train', 'peak_matmul_tflops', 'mfu', 'run_wave', 'knee',
-           'bench_jobs', 'main']
+           'unmet_goals', 'layer_time_share', 'compile_goals', 'bench_train', 'peak_matmul_tflops', 'mfu', 'run_wave',
+           'knee', 'bench_jobs', 'main']
 
 # %% ../nbs/27_bench.ipynb #ce63491f
 def time_side_by_side(fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 1,
@@ -39,9 +39,13 @@ def time_side_by_side(fns: dict[str, Callable[[], object]], repeats: int = 7, wa
 
 # %% ../nbs/27_bench.ipynb #7cc4aab1
 def _env(device) -> dict:
-    "Where a benchmark ran: device (with the GPU's name and the CUDA version on CUDA), torch, threads, CPU, Python."
+    """Where a benchmark ran: device (with the GPU's name and the CUDA version on CUDA), torch, threads, CPU, Python,
+    and how busy the machine was (`load_average` over 1, 5 and 15 minutes against its `cores`: above the cores,
+    every timing shares the CPU; ratios of interleaved variants suffer less than absolute times)."""
+    load = dict(load_average=[round(v, 2) for v in os.getloadavg()], cores=os.cpu_count()) \
+        if hasattr(os, "getloadavg") else {}
     return dict(device=str(device), **{k: v for k, v in device_info(device).items() if v is not None}, threads=torch.get_num_threads(),
-                cpu=platform.processor() or platform.machine(), python=platform.python_version())
+                cpu=platform.processor() or platform.machine(), python=platform.python_version(), **load)
 
 def _sync_for(device) -> Callable[[], None]:
     return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
@@ -188,12 +192,23 @@ def _utilisation(flops: float, step_time: dict, device, amp_dtype) -> dict:
                    mfu={k: mfu(flops, v, peak) for k, v in step_time.items()})
     return out
 
+def compile_goals(ratio: dict, fmt: str | None) -> dict:
+    """The compiled step's goals from `bench_train`'s ratios (to eager plain): compiled plain faster than eager plain,
+    and the compiled 8-bit step within `TRAIN_TARGET` of the compiled plain one."""
+    r = ratio["plain+compiled"]
+    out = {"plain+compiled_over_plain": dict(ratio=r, target="< 1", met=r < 1)}
+    if fmt:
+        r = ratio[f"{fmt}+compiled"] / ratio["plain+compiled"]
+        out[f"{fmt}+compiled_over_plain+compiled"] = dict(ratio=r, target=TRAIN_TARGET, met=r <= TRAIN_TARGET)
+    return out
+
 def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, data_dir: str | None = None,
-                warmup: int = 3, profile: int = 0, shadow: bool = True, **overrides) -> dict:
+                warmup: int = 3, profile: int = 0, shadow: bool = True, compiled: bool = False, **overrides) -> dict:
     """Median step time of plain (/ +shadow) (/ fmt / fmt+shadow) trainers of `preset`, interleaved; ratios to plain.
 
     The goal `TRAIN_TARGET` is the 8-bit step over the plain one. `profile` > 0 adds `layer_time_share` of the 8-bit
-    trainer over that many further steps (the profile that explains the ratio)."""
+    trainer over that many further steps (the profile that explains the ratio). `compiled` adds `plain+compiled` and
+    `fmt+compiled` (`compile=on`; compiled in the warm-up rounds) and the goals in `compile_goals`."""
     with tempfile.TemporaryDirectory() as tmp:
         if data_dir is None:
             sd = shared_data_dir()
@@ -201,6 +216,9 @@ def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, 
             prepare_eurlex(data_dir, source=(sd / "eurlex") if sd else None, max_docs=200, progress=False)
         variants = {"plain": dict(fmt=None, shadow=False), **({"shadow": dict(fmt=None, shadow=True)} if shadow else {})}
         if fmt: variants.update({fmt: dict(fmt=fmt, shadow=False), **({f"{fmt}+shadow": dict(fmt=fmt, shadow=True)} if shadow else {})})
+        if compiled:
+            variants.update({"plain+compiled": dict(fmt=None, shadow=False, compile=True),
+                             **({f"{fmt}+compiled": dict(fmt=fmt, shadow=False, compile=True)} if fmt else {})})
         trainers = {k: Trainer(load_config(preset, data_dir=str(data_dir), out_dir=str(Path(tmp) / k.replace("+", "_")),
                                            max_steps=warmup + steps + profile, wandb_mode="disabled", **{**overrides, **v}), progress=False)
                     for k, v in variants.items()}
@@ -213,6 +231,7 @@ def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, 
     ratio = {k: v / med["plain"] for k, v in med.items()}
     util = _utilisation(flops, med, device, next(iter(trainers.values())).amp_dtype)
     goal = dict(targets={fmt: TRAIN_TARGET}, met=ratio[fmt] <= TRAIN_TARGET) if fmt else {}
+    if compiled: goal["compile_goals"] = compile_goals(ratio, fmt)
     return dict(preset=preset, fmt=fmt, steps=steps, **_env(device),
                 tokens_per_step=tps, step_time=med, tokens_per_sec={k: tps / v for k, v in med.items()}, ratio=ratio, **goal, **util,
                 **({"profile": prof} if prof else {}))
@@ -298,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile the 8-bit trainer over STEPS further steps: share of time in the 8-bit layers, top operators")
     t.add_argument("--no-shadow", action="store_true", help="without --rules: leave out the +shadow trainers")
+    t.add_argument("--compiled", action="store_true", help="without --rules: also plain and 8-bit with compile=on")
     t.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the preset's, auto = CUDA when there is one)")
     j = sub.add_parser("jobs", help="runs per hour against concurrent runs per device; the knee is --jobs' default", parents=[strict])
     j.add_argument("--preset", default="gpu")
@@ -327,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_rules(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup, rules=rules, shadow=a.shadow, **dev)
     else:
         res = bench_train(**dev, preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup,
-                          profile=a.profile, shadow=not a.no_shadow)
+                          profile=a.profile, shadow=not a.no_shadow, compiled=a.compiled)
     print(json.dumps(res, indent=1))
     missed = unmet_goals(res)
     if a.strict and missed:

@@ -94,7 +94,7 @@ class TrainConfig:
     data_seed: int | None = None
     init_from: str | None = None
     device: str = "auto"
-    compile: bool = False
+    compile: bool | str = False                 # off (False) | on (True) | 'auto' (trainer.compile_enabled)
 
 
     def __init__(self, **keys):
@@ -196,6 +196,8 @@ def _coerce(key: str, value, tp):
     if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS)): return None
     if value is None: raise ConfigError(f"{key} must be a {base.__name__}, got None")
     bad = ConfigError(f"{key} must be a {base.__name__}{' or None' if optional else ''}, got {value!r} ({type(value).__name__})")
+    named = base is bool and str in typing.get_args(tp) and isinstance(value, str)     # a switch with a named mode
+    if named and value.strip().lower() not in _TRUE + _FALSE: return value.strip().lower()   # besides on/off: 'auto'
     if base is bool:
         if isinstance(value, bool): return value
         if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE: return value.strip().lower() in _TRUE
@@ -257,6 +259,9 @@ def _validate(cfg: TrainConfig):
         if v is not None and (msg := _check_range(key, v, *rng)): errors.append(msg)
     if cfg.n_embd % cfg.n_head: errors.append(f"n_embd must be divisible by n_head (n_embd={cfg.n_embd}, n_head={cfg.n_head})")
     if cfg.min_lr > cfg.lr: errors.append(f"min_lr={cfg.min_lr} must be <= lr={cfg.lr}")
+    if cfg.compile not in (False, True, "auto"):
+        errors.append(f"compile={cfg.compile!r} is not one of 'off' (false), 'on' (true), 'auto'; "
+                      "set compile=off, on or auto")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         errors.append(f"device={cfg.device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
     for key in ("fmt", "fmt_backward"):
@@ -392,7 +397,7 @@ KEY_DOCS = {   # one line per TrainConfig key: what it means (allowed values are
     "data_seed": "seed of the training data order alone (None: seed); separates the data order from the initialisation",
     "init_from": "a trunk checkpoint (.pt) to branch from: its weights, optimizer state, data stream and step, then this run's update regime",
     "device": "'auto' | 'cpu' | 'cuda' | 'cuda:N'",
-    "compile": "torch.compile the model",
+    "compile": "torch.compile the model's forward and backward: off (false) | on (true) | auto (on CUDA only)",
 }
 RENAMED_KEYS = {"rules": "layer_formats"}           # old key -> new key: old config files still load
 KEY_ALIASES = {"learning_rate": "lr", "steps": "max_steps", "num_steps": "max_steps", "iters": "max_steps",

@@ -17,7 +17,7 @@ from .notice import notice
 # %% auto #0
 __all__ = ['MASTER_WEIGHTS', 'RESIDUAL_DTYPES', 'RESIDUAL_BYTES', 'LANDINGS', 'STAT_FIELDS', 'R_EDGES', 'grid_magnitude',
            'grid_steps', 'grid_ulp', 'Landing', 'register_landing', 'get_landing', 'land', 'store_residual',
-           'regrid_scale', 'lower_median', 'update_stats', 'stats_dict', 'ratio_histogram']
+           'regrid_scale', 'lower_median', 'masked_lower_median', 'update_stats', 'stats_dict', 'ratio_histogram']
 
 # %% ../nbs/04_grid.ipynb #8c7f11d5
 def _scale_t(scale, like: torch.Tensor) -> torch.Tensor:
@@ -135,6 +135,17 @@ def lower_median(x: torch.Tensor) -> torch.Tensor:
     part = np.partition(v, k)                                   # part[k] is the k-th smallest; NaNs sort last
     return torch.tensor(math.nan if np.isnan(part[k:]).any() else part[k], dtype=x.dtype)
 
+def masked_lower_median(x: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """`lower_median(x[mask])` without a host read (no data-dependent shape): the ((k-1)//2)-th smallest selected
+    value of a sort that puts the others last (+inf; NaNs sort after it), NaN if a selected value is NaN, `empty` if
+    none is."""
+    x, mask = x.reshape(-1), mask.reshape(-1)
+    k = mask.sum()
+    srt = torch.where(mask, x, torch.full_like(x, math.inf)).sort().values
+    mid = srt.gather(0, ((k - 1) // 2).clamp(min=0).reshape(1))[0]
+    mid = torch.where((x.isnan() & mask).any(), torch.full_like(mid, math.nan), mid)
+    return torch.where(k > 0, mid.to(empty.dtype), empty)
+
 STAT_FIELDS = ("moved", "stalled", "pred_stalled", "dw_dot_u", "u_dot_u", "r_median", "flip_back", "flip_base",
                "zero_sub", "numel", "resid_ulp_sq")
 
@@ -169,7 +180,7 @@ _stats_compiled: list = []     # [compiled kernel] once built; [None] if compili
 def update_stats(w_before: torch.Tensor, u: torch.Tensor, w_after: torch.Tensor, fmt, scale=1.0,
                  w_prev2: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                  view_stall: bool = False) -> torch.Tensor:
-    """float64 sums over one tensor, one entry per `STAT_FIELDS` name (the median of r is the one sync on GPUs).
+    """float64 sums over one tensor, one entry per `STAT_FIELDS` name (no host read).
 
     `view_stall` counts as stalled the moved elements whose quantized view did not change, `Q(w_before + u) ==
     Q(w_before)` (FP32 master weights, whose stored value moves anyway); otherwise `w_after == w_before`. One fused
@@ -191,8 +202,10 @@ def update_stats(w_before: torch.Tensor, u: torch.Tensor, w_after: torch.Tensor,
         _stats_compiled[:] = [None]
         notice(f"torch.compile of update_stats failed ({type(e).__name__}); using the eager kernel")
         r, v = _stats_kernel(*args, **_tensor_params(fmt, dev))
-    rm = torch.masked_select(r, u != 0)
-    if rm.numel(): v[5] = lower_median(rm).double()
+    if dev.type == "cpu":                                       # (no device to wait for: selection, linear time)
+        rm = torch.masked_select(r, u != 0)
+        if rm.numel(): v[5] = lower_median(rm).double()
+    else: v[5] = masked_lower_median(r, u != 0, v[5])           # a GPU: no host read (a masked select would be one)
     return v
 
 def stats_dict(v) -> dict[str, float]:

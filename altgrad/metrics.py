@@ -10,33 +10,70 @@ from torch import nn
 from .diagnostics import DeadNeuronTracker, grad_stats_batch, zero_update_count
 
 # %% auto #0
-__all__ = ['gradient_metrics', 'snapshot_params', 'zero_update_metrics', 'nonfinite_sources', 'DivergenceDetector']
+__all__ = ['HostRead', 'queue_gradient_metrics', 'gradient_metrics', 'snapshot_params', 'zero_update_metrics',
+           'queue_zero_update_metrics', 'nonfinite_sources', 'queue_nonfinite_sources', 'DivergenceDetector']
 
 # %% ../nbs/14_metrics.ipynb #9e251fea
+class HostRead:
+    """One step's statistics as device tensors, read to the host in one transfer.
+
+    `add(values, build)` queues a tensor (any shape and dtype) and the function that turns its numbers (a list of
+    Python floats) into a result; `read()` moves every queued tensor at once, as float64 (exact for float32 values,
+    integer counts below 2^53 and flags), and returns the results in the order they were queued."""
+    def __init__(self): self.parts = []
+
+    def add(self, values: torch.Tensor, build) -> HostRead:
+        self.parts.append((values.detach().reshape(-1), build)); return self
+
+    def read(self) -> list:
+        parts, self.parts = self.parts, []
+        if not parts: return []
+        dev = next((v.device for v, _ in parts if v.numel()), parts[0][0].device)
+        flat = torch.cat([v.to(dev, torch.float64) for v, _ in parts]).tolist() if parts else []
+        out, i = [], 0
+        for v, build in parts: out.append(build(flat[i:i + v.numel()])); i += v.numel()
+        return out
+
+    def metrics(self) -> dict:
+        "`read()`, every result a dict of metrics, merged in order."
+        out = {}
+        for r in self.read(): out |= r
+        return out
+
+    def __repr__(self): return f"HostRead({len(self.parts)} queued, {sum(v.numel() for v, _ in self.parts)} numbers)"
+
 def _pairs(named_params) -> list[tuple[str, torch.Tensor]]:
     "(name, param) pairs from `named_parameters()`, a module or a dict."
     if isinstance(named_params, nn.Module): named_params = named_params.named_parameters()
     elif isinstance(named_params, dict): named_params = named_params.items()
     return list(named_params)
 
-def gradient_metrics(named_params, dead: DeadNeuronTracker | None = None, small: float = 1e-8) -> dict[str, float]:
-    "Per-parameter gradient L2/L∞ norms, SNR, fraction below `small`, dead-neuron fractions, and global norms."
+def queue_gradient_metrics(reads: HostRead, named_params, dead: DeadNeuronTracker | None = None, small: float = 1e-8):
+    "Queue `gradient_metrics` on `reads`: the statistics computed now, on the device; their dict comes with the read."
     items = [(n, p.grad) for n, p in _pairs(named_params) if p.grad is not None]
-    if not items: return {}
+    if not items: return reads.add(torch.zeros(0), lambda _: {})
     stats = grad_stats_batch([g for _, g in items], small)                    # [P, 4], no sync
     dev = stats.device
     dead_items = [(n, g) for n, g in items if g.dim() == 2] if dead is not None else []
     dead_names = [n for n, _ in dead_items]
     dead_vals = [dead.update_tensor(n, g).to(dev) for n, g in dead_items]
     totals = torch.stack([stats[:, 0].double().square().sum().sqrt().float(), stats[:, 1].max()])
-    flat = torch.cat([stats.reshape(-1), torch.stack(dead_vals) if dead_vals else stats.new_zeros(0), totals]).tolist()
-    out, P = {}, len(items)
-    for i, (n, _) in enumerate(items):
-        l2, linf, snr, frac = flat[4 * i: 4 * i + 4]
-        out |= {f"grad_norm_l2/{n}": l2, f"grad_norm_linf/{n}": linf, f"grad_snr/{n}": snr, f"grad_frac_small/{n}": frac}
-    out |= {f"dead_neuron_frac/{n}": v for n, v in zip(dead_names, flat[4 * P: 4 * P + len(dead_names)])}
-    out["grad_norm_l2/total"], out["grad_norm_linf/total"] = flat[-2], flat[-1]
-    return out
+    flat = torch.cat([stats.reshape(-1), torch.stack(dead_vals) if dead_vals else stats.new_zeros(0), totals])
+    def build(flat):
+        out, P = {}, len(items)
+        for i, (n, _) in enumerate(items):
+            l2, linf, snr, frac = flat[4 * i: 4 * i + 4]
+            out |= {f"grad_norm_l2/{n}": l2, f"grad_norm_linf/{n}": linf, f"grad_snr/{n}": snr,
+                    f"grad_frac_small/{n}": frac}
+        out |= {f"dead_neuron_frac/{n}": v for n, v in zip(dead_names, flat[4 * P: 4 * P + len(dead_names)])}
+        out["grad_norm_l2/total"], out["grad_norm_linf/total"] = flat[-2], flat[-1]
+        return out
+    return reads.add(flat, build)
+
+def gradient_metrics(named_params, dead: DeadNeuronTracker | None = None, small: float = 1e-8) -> dict[str, float]:
+    "Per-parameter gradient L2/L∞ norms, SNR, fraction below `small`, dead-neuron fractions, and global norms."
+    return queue_gradient_metrics(HostRead(), named_params, dead, small).metrics()
+
 
 # %% ../nbs/14_metrics.ipynb #cf5b4ad7
 def snapshot_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -48,22 +85,32 @@ def zero_update_metrics(before: dict[str, torch.Tensor], model: nn.Module) -> di
     params = dict(model.named_parameters())
     missing = [n for n in before if n not in params]
     if missing: raise KeyError(f"snapshot has parameters the model lacks: {missing[:5]}; take it with snapshot_params(model)")
-    if not before: return {}
+    return queue_zero_update_metrics(HostRead(), before, params).metrics()
+
+def queue_zero_update_metrics(reads: HostRead, before: dict[str, torch.Tensor], params: dict) -> HostRead:
+    "Queue `zero_update_metrics` on `reads` (`params`: the model's `dict(named_parameters())`)."
+    if not before: return reads.add(torch.zeros(0), lambda _: {})
     dev = next(iter(before.values())).device
-    counts = torch.stack([zero_update_count(b, params[n]).to(dev) for n, b in before.items()]).tolist()
+    counts = torch.stack([zero_update_count(b, params[n]).to(dev) for n, b in before.items()])
     sizes = [b.numel() for b in before.values()]
-    out = {f"zero_update_frac/{n}": c / s if s else 0.0 for n, c, s in zip(before, counts, sizes)}
-    out["zero_update_frac/total"] = sum(counts) / max(sum(sizes), 1)
-    return out
+    def build(counts):
+        out = {f"zero_update_frac/{n}": c / s if s else 0.0 for n, c, s in zip(before, counts, sizes)}
+        out["zero_update_frac/total"] = sum(counts) / max(sum(sizes), 1)
+        return out
+    return reads.add(counts, build)
 
 # %% ../nbs/14_metrics.ipynb #9cf30760
 def nonfinite_sources(loss, named_params) -> dict:
     "`{'loss': True if the loss is non-finite, 'grads': [names of parameters with a non-finite gradient]}`."
+    return queue_nonfinite_sources(HostRead(), loss, named_params).read()[0]
+
+def queue_nonfinite_sources(reads: HostRead, loss, named_params) -> HostRead:
+    "Queue `nonfinite_sources` on `reads`: one flag per tensor, on the device."
     items = [(n, p.grad) for n, p in _pairs(named_params) if p.grad is not None]
     loss_t = torch.as_tensor(loss if loss is not None else 0.0).detach()
     dev = loss_t.device
-    flags = torch.stack([~torch.isfinite(loss_t).all()] + [~torch.isfinite(g).all().to(dev) for _, g in items]).tolist()
-    return {"loss": flags[0], "grads": [n for (n, _), bad in zip(items, flags[1:]) if bad]}
+    flags = torch.stack([~torch.isfinite(loss_t).all()] + [~torch.isfinite(g).all().to(dev) for _, g in items])
+    return reads.add(flags, lambda f: {"loss": bool(f[0]), "grads": [n for (n, _), bad in zip(items, f[1:]) if bad]})
 
 # %% ../nbs/14_metrics.ipynb #534ed424
 class DivergenceDetector:

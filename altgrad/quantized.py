@@ -17,13 +17,14 @@ from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_sc
 from .diagnostics import bit_histogram, range_edges
 from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_distributed
 from .notice import notice
+from .metrics import HostRead
 from .grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, stats_dict, STAT_FIELDS, ratio_histogram
 
 # %% auto #0
 __all__ = ['SCALINGS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer', 'QuantizedLinear',
            'LayerFormat', 'quantize_model', 'quantize_model_from_config', 'quantized_layers', 'commit_amax',
            'set_distributed', 'set_accumulation', 'pending_amax', 'load_pending_amax', 'quant_metrics',
-           'quant_histograms']
+           'queue_quant_metrics', 'quant_histograms']
 
 # %% ../nbs/20_quantized.ipynb #5b149faf
 SCALINGS = ("delayed", "current")
@@ -327,6 +328,7 @@ class QuantizedLinear(nn.Linear):
         self.register_buffer("residual", torch.zeros(0))       # kahan: what rounding lost, in real units
         self.register_buffer("w_prev", torch.zeros(0))         # the weight before the last step (flip-back)
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))   # optimizer steps taken on the grid
+        self._updates_n = 0                                                       # its python mirror (no syncs)
         dev = None if device is None or torch.device(device).type == "meta" else device
         if dev is not None: self._move_state(dev)
 
@@ -408,6 +410,7 @@ class QuantizedLinear(nn.Linear):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         _lazy_load(self, state_dict, prefix, ["grid_scale", "residual", "w_prev"])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._updates_n = int(self.updates)
 
     def get_extra_state(self) -> dict:
         return dict(fmt=_fmt_spec(self.qw.fmt), fmt_backward=_fmt_spec(self.qg.fmt), clip_k=self.clip_k)
@@ -548,8 +551,12 @@ _UPDATE_KEYS = ("stall", "pred_stall", "update_ratio", "rho", "lost_update", "fl
 
 def quant_metrics(model: nn.Module) -> dict:
     "Overflow/underflow rates per layer and operand, update mechanism, clipping, non-finite flags since the last call."
+    return queue_quant_metrics(HostRead(), model).metrics()
+
+def queue_quant_metrics(reads: HostRead, model: nn.Module) -> HostRead:
+    "Queue `quant_metrics` on `reads`: the counts and statistics are taken (copied) and reset now, read with the step."
     layers = quantized_layers(model)
-    if not layers: return {}
+    if not layers: return reads.add(torch.zeros(0), lambda _: {})
     rows, meta, upd = [], [], []
     for name, m in layers:
         for role, q in m.quantizers().items():
@@ -558,14 +565,31 @@ def quant_metrics(model: nn.Module) -> dict:
         if m._stall is not None: upd.append((name, m, m._stall))
         if m._decay is not None: rows.append(torch.cat([m._decay, m._decay.new_zeros(1)])); meta.append((name, "decay", 0, False))
         if m.clip_k is not None: rows.append(torch.stack([m._clipped, m._clipped, m._clipped])); meta.append((name, "clip", m.qg.total, False))
+    summed, totals = [], torch.zeros(0)
     if rows and is_distributed():      # counts and element totals summed over ranks before the rates are formed
         summed = [i for i, (_, role, *_r) in enumerate(meta) if role != "decay"]   # the decay term is the same everywhere
         t = torch.stack([torch.cat([rows[i].to(rows[0].device, torch.float64), rows[0].new_tensor([meta[i][2]], dtype=torch.float64)])
                          for i in summed])
         all_reduce_sum(t)
-        for j, i in enumerate(summed):
-            rows[i] = t[j, :3]; meta[i] = (meta[i][0], meta[i][1], int(t[j, 3]), meta[i][3])
-    vals = torch.stack([r.to(rows[0].device, torch.float64) for r in rows]).tolist() if rows else []
+        for j, i in enumerate(summed): rows[i] = t[j, :3]
+        totals = t[:, 3]
+    dev = rows[0].device if rows else upd[0][2].device if upd else torch.device("cpu")
+    vals = torch.stack([r.to(dev, torch.float64) for r in rows]) if rows else torch.zeros(0, 3, dtype=torch.float64,
+                                                                                          device=dev)
+    sums = torch.stack([v.to(dev) for *_, v in upd]) if upd else torch.zeros(0, len(STAT_FIELDS), device=dev)
+    for _, m in layers:                                   # (the stacks above are copies: reset now)
+        for q in m.quantizers().values(): q.reset_counts()
+        m._stall = None; m._decay = None; m._clipped.zero_()
+    nv, nt, F = vals.numel(), totals.numel(), len(STAT_FIELDS)
+    def build(flat):
+        for j, i in enumerate(summed): meta[i] = (meta[i][0], meta[i][1], int(flat[nv + j]), meta[i][3])
+        return _quant_metrics_dict(meta, [flat[3 * k: 3 * k + 3] for k in range(len(rows))], upd,
+                                   [flat[nv + nt + k * F: nv + nt + (k + 1) * F] for k in range(len(upd))])
+    flat = torch.cat([vals.reshape(-1), totals.to(dev, torch.float64), sums.reshape(-1).to(dev, torch.float64)])
+    return reads.add(flat, build)
+
+def _quant_metrics_dict(meta: list, vals: list, upd: list, sums: list) -> dict:
+    "`quant_metrics`' dict from the numbers read: range counts, decay and clip rows (`meta`), update statistics (`upd`)."
     out, ovf_max = {}, 0.0
     for (name, role, n, nonsat), (a, b, c) in zip(meta, vals):
         if role == "clip":
@@ -578,7 +602,6 @@ def quant_metrics(model: nn.Module) -> dict:
             if c: out[f"nonfinite/{name}/{role}"] = 1.0
             elif a and nonsat: out[f"nonfinite/{name}/{role}"] = 2.0
     if upd:
-        sums = torch.stack([v.to(upd[0][2].device) for *_, v in upd]).tolist()
         for (name, m, _), v in zip(upd, sums):
             d = stats_dict(v)
             for k in _UPDATE_KEYS:
@@ -590,9 +613,6 @@ def quant_metrics(model: nn.Module) -> dict:
         for k in _UPDATE_KEYS:
             if any(f"{k}/{name}" in out for name, *_ in upd): out[f"{k}/total"] = tot[k]
     out["overflow/max"] = ovf_max
-    for _, m in layers:
-        for q in m.quantizers().values(): q.reset_counts()
-        m._stall = None; m._decay = None; m._clipped.zero_()
     return out
 
 def quant_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:

@@ -9,9 +9,10 @@ import torch
 import torch.nn as nn
 from .quantized import QuantizedLinear
 from .distributed import average_
+from .metrics import HostRead
 
 # %% auto #0
-__all__ = ['quantized_types', 'plain_fp32_copy', 'rng_snapshot', 'FP32ShadowModel', 'grad_cosine']
+__all__ = ['quantized_types', 'plain_fp32_copy', 'rng_snapshot', 'FP32ShadowModel', 'grad_cosine', 'queue_grad_cosine']
 
 # %% ../nbs/22_shadow.ipynb #191679f3
 def quantized_types() -> tuple[type, ...]:
@@ -102,9 +103,17 @@ def _cos(d: float, aa: float, bb: float) -> float:
 
 def grad_cosine(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], prefix: str = "grad_cos_sim/") -> dict[str, float]:
     "`{prefix+name: cos}` for `{name: (grad_a, grad_b)}` plus `mean`, `min` and `global` (one device sync)."
-    if not pairs: return {}
+    return queue_grad_cosine(HostRead(), pairs, prefix).metrics()
+
+def queue_grad_cosine(reads: HostRead, pairs: dict, prefix: str = "grad_cos_sim/") -> HostRead:
+    """Queue `grad_cosine` on `reads`: the dot products now, on the device. A tensor whose float32 products overflow
+    is redone in float64 when read (a rare second sync): read before the gradients change."""
+    if not pairs: return reads.add(torch.zeros(0), lambda _: {})
     names = list(pairs)
-    vals = torch.stack([_dots(*pairs[n]) for n in names]).tolist()
+    dots = torch.stack([_dots(*pairs[n]) for n in names])
+    return reads.add(dots, lambda v: _cosines(pairs, names, [v[3 * i: 3 * i + 3] for i in range(len(names))], prefix))
+
+def _cosines(pairs: dict, names: list, vals: list, prefix: str) -> dict[str, float]:
     for i, n in enumerate(names):   # float32 overflow (not NaN input): redo this tensor in float64
         if not all(map(math.isfinite, vals[i])) and all(bool(torch.isfinite(t).all()) for t in pairs[n]):
             vals[i] = _dots(*pairs[n], dtype=torch.float64).tolist()
@@ -116,14 +125,19 @@ def grad_cosine(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], prefix: str
     return out
 
 # %% ../nbs/22_shadow.ipynb #20438a8d
-def _cosine(self: FP32ShadowModel, model: nn.Module) -> dict[str, float]:
-    "Per-parameter (`grad_cos_sim/<name>`) and `mean`/`min`/`global` cosine between `model`'s and the shadow's gradients."
+def _queue_cosine(self: FP32ShadowModel, reads: HostRead, model: nn.Module) -> HostRead:
+    "`cosine` queued on `reads` (`metrics.HostRead`): its dict comes with the step's one read."
     src = dict(model.named_parameters())
     pairs = {}
     for n, p in self.params.items():
         q = src.get(self.names[n])
         if q is not None and q.grad is not None and p.grad is not None: pairs[self.names[n]] = (q.grad, p.grad)
-    return grad_cosine(pairs)
+    return queue_grad_cosine(reads, pairs)
+FP32ShadowModel.queue_cosine = _queue_cosine
+
+def _cosine(self: FP32ShadowModel, model: nn.Module) -> dict[str, float]:
+    "Per-parameter (`grad_cos_sim/<name>`) and `mean`/`min`/`global` cosine between `model`'s and the shadow's gradients."
+    return self.queue_cosine(HostRead(), model).metrics()
 FP32ShadowModel.cosine = _cosine
 
 # %% ../nbs/22_shadow.ipynb #d2ac6971

@@ -35,7 +35,7 @@ def _land(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant
     res = m.residual.float() if landing.residual and m.residual.shape == w.shape else None
     aim = w.detach().float() if res is None else w.detach().float() + res      # the value that lands
     s_new = regrid_scale(amax_of(aim, q.granularity, q.block_size), s_old, q.fmt, q.margin, m.weight_update)
-    gen = sr_generator(m.seed, m.layer_id, int(m.updates)) if landing.stochastic else None
+    gen = sr_generator(m.seed, m.layer_id, m._updates_n) if landing.stochastic else None   # (`updates`' host mirror)
     sn = expand_scale(s_new, w, q.granularity, q.block_size)
     w_new, c = land(before, u, q.qfmt, sn, m.weight_update, res, gen)
     w.copy_(w_new.to(w.dtype))
@@ -50,14 +50,14 @@ def _land(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant
     if c_decay: m._decay = _decay_kept(m, before, sn, c_decay)
     m._last_update = (before, us, se)
     m.w_prev = before
-    m.updates += 1
+    m.updates += 1; m._updates_n += 1
 
 def _decay_kept(m, before: torch.Tensor, sn: torch.Tensor, c_decay: float) -> torch.Tensor:
     "`[<landed decay, d>, ||d||^2]` of the decay term `d = -c w` landed alone by `m`'s rule (a residual's rule: nearest)."
     q, landing = m.qw, LANDINGS[m.weight_update]
     d = -c_decay * before.float()
     rule = "nearest" if landing.residual else m.weight_update      # the decay alone carries no residual
-    gd = sr_generator(m.seed, m.layer_id, int(m.updates), 1) if LANDINGS[rule].stochastic else None
+    gd = sr_generator(m.seed, m.layer_id, m._updates_n, 1) if LANDINGS[rule].stochastic else None
     dl = land(before, d, q.qfmt, sn, rule, None, gd)[0] - before.float()
     return torch.stack([(dl * d).sum(dtype=torch.float64), (d * d).sum(dtype=torch.float64)])
 

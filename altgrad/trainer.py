@@ -22,7 +22,8 @@ from .notice import notice
 from .runs import DONE, read_json, run_files, run_status, config_reasons
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, atomic_write_text
 from .shadow import FP32ShadowModel, rng_snapshot
-from .metrics import gradient_metrics, snapshot_params, zero_update_metrics, nonfinite_sources, DivergenceDetector
+from .metrics import (HostRead, queue_gradient_metrics, snapshot_params, queue_zero_update_metrics,
+                             queue_nonfinite_sources, DivergenceDetector)
 from .diagnostics import DeadNeuronTracker
 from .optim import build_optimizer, default_lr_scale, get_optimizer
 from . import quantized
@@ -36,8 +37,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
 __all__ = ['lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists', 'run_state', 'move_to_previous', 'claim_out_dir',
-           'Trainer', 'lr_scale_of', 'grid_params', 'quantized_cosine', 'layer_census', 'eval_windows', 'window_batch',
-           'check_ranks_agree', 'Interrupted', 'catch_interrupts', 'progress_label', 'device_info', 'train_cli']
+           'Trainer', 'compile_enabled', 'lr_scale_of', 'grid_params', 'quantized_cosine', 'layer_census',
+           'eval_windows', 'window_batch', 'check_ranks_agree', 'Interrupted', 'catch_interrupts', 'progress_label',
+           'device_info', 'train_cli']
 
 # %% ../nbs/26_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
@@ -147,7 +149,8 @@ class Trainer:
                 self.ddp = DistributedDataParallel(self.model, device_ids=[dev.index] if dev.type == "cuda" else None,
                                                    broadcast_buffers=False)   # scaling state is reduced, never overwritten
         net = self.ddp if self.ddp is not None else self.model
-        self.fwd = torch.compile(net) if cfg.compile else net
+        self.compiled = compile_enabled(cfg, self.dev_type)        # the forward and backward under torch.compile
+        self.fwd = torch.compile(net) if self.compiled else net
         self.lr_scale = lr_scale_of(cfg)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.lr * self.lr_scale, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                          self.dev_type, grid_params=grid_params(self.model, cfg),
@@ -194,6 +197,11 @@ class Trainer:
 # %% ../nbs/26_trainer.ipynb #1803b2fd
 def _sync(dev_type: str):
     if dev_type == "cuda": torch.cuda.synchronize()
+
+def compile_enabled(cfg, dev_type: str) -> bool:
+    """Does the run train under `torch.compile`? `compile` on (True) or off (False) as set; 'auto': on CUDA (the eager
+    step is bound by kernel launches there), off on the CPU (measured in `altgrad-bench train`: not faster there)."""
+    return cfg.compile is True or (cfg.compile == "auto" and dev_type == "cuda")
 
 def lr_scale_of(cfg) -> float:
     "Factor from the schedule's `lr` to the optimizer's: `cfg.effective_lr_scale`, or `optim.default_lr_scale`."
@@ -247,27 +255,29 @@ def train_step(self: Trainer) -> dict:
     quantized.commit_amax(model)                                  # (ranks: one max all-reduce of all amaxes)
     if self.fault is not None: self.fault(step, model)
 
-    m = gradient_metrics(model.named_parameters(), dead=self.dead)
-    if self.shadow is not None:
-        m.update(self.shadow.cosine(model))
-        m.update(quantized_cosine(m, model))
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    finite = torch.stack([loss.isfinite().all()] + [g.isfinite().all() for g in grads]).all().item()
+    pre, post = HostRead(), HostRead()     # the step's statistics stay on the device until one of these two reads
+    queue_nonfinite_sources(pre.add(loss, lambda v: v[0]), loss, model.named_parameters())
+    queue_gradient_metrics(pre, model.named_parameters(), dead=self.dead)
+    if self.shadow is not None: self.shadow.queue_cosine(pre, model)
+    loss_v, src, *parts = pre.read()       # read 1 of 2: whether the step is finite decides whether the optimizer steps
+    m = {k: v for p in parts for k, v in p.items()}
+    if self.shadow is not None: m.update(quantized_cosine(m, model))
+    finite = not src["loss"] and not src["grads"]
     if self.world > 1: finite = all_true(finite, self.device)    # one rank's NaN skips the step everywhere
-    loss_v = float(loss)
     if finite:
         before = snapshot_params(model)
         if cfg.grad_clip > 0: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         self.grid_step.step(before)                               # snapshot, optimizer.step(), landing, statistics (altgrad.step)
-        m.update(zero_update_metrics(before, model))
+        queue_zero_update_metrics(post, before, dict(model.named_parameters()))
         self.nan_streak = 0
     else:
-        src = self.nan_sources = nonfinite_sources(loss, model.named_parameters())
+        self.nan_sources = src
         self.nan_streak += 1
         m.update({"nan/loss": float(bool(src["loss"])), "nan/grads": len(src["grads"]), "nan/streak": self.nan_streak,
                   "nan/source": "loss" if src["loss"] else (src["grads"][-1] if src["grads"] else "unknown")})
     self.optimizer.zero_grad(set_to_none=True)
-    with torch.profiler.record_function("altgrad.quant_metrics"): m.update(quantized.quant_metrics(model))
+    with torch.profiler.record_function("altgrad.quant_metrics"): quantized.queue_quant_metrics(post, model)
+    m.update(post.metrics())               # read 2 of 2: the step's statistics after the optimizer step
     m.update({"train/loss": loss_v, "train/lr": lr, "train/tokens": step * self.tokens_per_step,
               "train/skipped": float(not finite)})
     if math.isfinite(loss_v): m["divergence"] = float(self.divergence.update(loss_v))

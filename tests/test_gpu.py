@@ -424,3 +424,36 @@ def test_trainer_smoke(gpu_data, tmp_path, master_weights, weight_update):
             same_bits(f"{name} weight on the {m.fmt.name} grid", on, w.cpu())
         figs["grid_checked_layers"] = len(layers)
     report(f"trainer_smoke[{master_weights}-{weight_update}]", **figs)
+
+
+# ---------------------------------------------------------------- 7. issue 29: the compiled step, no host reads
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_compiled_layer_bits(rounding):
+    "One `QuantizedLinear` per registered format under `torch.compile` on the device: the eager layer's bits, two steps."
+    g = torch.Generator().manual_seed(0)
+    x, gy = torch.randn(64, 96, generator=g).to(DEV), torch.randn(64, 80, generator=g).to(DEV)
+    for name in FORMAT_REGISTRY:
+        torch.manual_seed(1)
+        eager = QuantizedLinear(96, 80, fmt=name, fmt_backward="E5M2", rounding=rounding, quantize_grads=True).to(DEV)
+        comp = copy.deepcopy(eager); fn = torch.compile(comp)
+        for step in range(2):
+            outs = []
+            for m in (eager, fn):
+                xi = x.clone().requires_grad_(True); y = m(xi); y.backward(gy)
+                outs.append([y.detach(), xi.grad, m.weight.grad] + [v for v in m.state_dict().values() if torch.is_tensor(v)])
+            for i, (a, b) in enumerate(zip(*outs)): same_bits(f"{name} {rounding} step {step} tensor {i}", b, a.cpu())
+            eager.weight.grad = comp.weight.grad = None
+    report(f"compiled_layer_bits[{rounding}]", formats=len(FORMAT_REGISTRY))
+
+
+def test_masked_lower_median():
+    "The device path of `update_stats`' median (no host read) against `lower_median` of the selected values on the CPU."
+    from altgrad.grid import lower_median, masked_lower_median
+    g = torch.Generator().manual_seed(5)
+    z = torch.tensor(-1.0, dtype=torch.float64)
+    for n in (1, 2, 7, 1000, 100_003):
+        x, mask = (torch.randint(0, 9, (n,), generator=g).float() / 7), torch.rand(n, generator=g) < 0.5
+        want = lower_median(x[mask]).double() if mask.any() else z
+        got = masked_lower_median(x.to(DEV), mask.to(DEV), z.to(DEV)).cpu()
+        assert torch.equal(got, want), (n, got, want)
+    report("masked_lower_median", sizes=5)

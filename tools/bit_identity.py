@@ -55,22 +55,28 @@ def data_dir(path: Path) -> Path:
     return path
 
 
-def train(overrides: dict, data: Path, steps: int, out: Path | None = None, stage: str = "whole") -> dict:
+def train(overrides: dict, data: Path, steps: int, out: Path | None = None, stage: str = "whole", metrics: bool = False) -> dict:
     """Train `steps` steps and hash the state. `stage` 'half' stops after steps/2 with a checkpoint in `out`;
-    'rest' resumes that checkpoint (written by other code: the old checkpoints' stored config) and trains to `steps`."""
+    'rest' resumes that checkpoint (written by other code: the old checkpoints' stored config) and trains to `steps`.
+    `metrics`: also return every step's logged metrics (`perf/*` timings left out), with the FP32 shadow on."""
     from altgrad.config import load_config
     from altgrad.trainer import Trainer
     with tempfile.TemporaryDirectory() as d:
         ck = dict(checkpoint_interval=10 * steps) if stage == "whole" else dict(checkpoint_interval=steps // 2)
         cfg = load_config("smoke", data_dir=str(data), out_dir=str(out or d), max_steps=steps, wandb_mode="disabled",
-                          shadow=False, eval_interval=steps, seed=3, resume=stage == "rest", **ck, **overrides)
+                          shadow=metrics, eval_interval=steps, seed=3, resume=stage == "rest", **ck, **overrides)
         t = Trainer(cfg, progress=False)
         if stage == "rest": assert t.step == steps // 2, t.step
+        logged, step = [], t.train_step
+        def record():
+            m = step(); logged.append({k: v for k, v in m.items() if not k.startswith("perf/")}); return m
+        if metrics: t.train_step = record
         t.fit(until=steps // 2 if stage == "half" else None)
-        return state_hashes(t)
+        return {**state_hashes(t), **({"metrics": logged} if metrics else {})}
 
 
-def run(out: Path, data: Path, steps: int, only: list | None = None, stage: str = "whole", ckpt: Path | None = None) -> dict:
+def run(out: Path, data: Path, steps: int, only: list | None = None, stage: str = "whole", ckpt: Path | None = None,
+        metrics: bool = False) -> dict:
     "Every regime x format; `stage` 'half' / 'rest' (with `ckpt`, a folder): checkpoint at steps/2, then resume it."
     import torch
     torch.set_num_threads(1)
@@ -83,9 +89,9 @@ def run(out: Path, data: Path, steps: int, only: list | None = None, stage: str 
         for fmt in FORMATS:
             where = ckpt / f"{name}-{fmt}" if ckpt else None
             tag = "flat" if stage == "whole" else f"flat-{stage}"
-            res[f"{name}/{fmt}/{tag}"] = train({"fmt": fmt, **flat_keys(rule)}, data, steps, where, stage)
-            if named: res[f"{name}/{fmt}/named"] = train({"fmt": fmt, "regime": name}, data, steps)
-            print(name, fmt, res[f"{name}/{fmt}/{tag}"], file=sys.stderr, flush=True)
+            res[f"{name}/{fmt}/{tag}"] = train({"fmt": fmt, **flat_keys(rule)}, data, steps, where, stage, metrics)
+            if named and not metrics: res[f"{name}/{fmt}/named"] = train({"fmt": fmt, "regime": name}, data, steps)
+            print(name, fmt, {k: v for k, v in res[f"{name}/{fmt}/{tag}"].items() if k != "metrics"}, file=sys.stderr, flush=True)
     out.write_text(json.dumps(dict(code=os.environ.get("PYTHONPATH", ""), steps=steps, hashes=res), indent=1) + "\n")
     return res
 
@@ -96,7 +102,7 @@ def compare(ref: Path, new: Path) -> int:
     bad = 0
     for k, h in b.items():
         base = a.get(k) or a.get(k.rsplit("/", 1)[0] + "/flat")      # named and resumed runs: against the whole flat run
-        ok = base == h
+        ok = json.dumps(base, sort_keys=True) == json.dumps(h, sort_keys=True)   # (NaN metrics compare equal as text)
         bad += not ok
         print(f"{'same' if ok else 'DIFFERENT' if base else 'no reference'}  {k}")
     print(f"{len(b) - bad}/{len(b)} identical")
@@ -110,6 +116,7 @@ def main(argv=None) -> int:
     r.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "altgrad_bit_identity_data"))
     r.add_argument("--compiled", action="store_true", help="compiled kernels (default: ALTGRAD_COMPILE=never)")
     r.add_argument("--only", nargs="*", help="these regimes only")
+    r.add_argument("--metrics", action="store_true", help="also record every step's logged metrics (shadow on; flat keys only)")
     r.add_argument("--stage", choices=("whole", "half", "rest"), default="whole",
                    help="half: stop at steps/2 with a checkpoint in --ckpt; rest: resume those checkpoints to the end")
     r.add_argument("--ckpt", help="folder of the half-way checkpoints (--stage half/rest)")
@@ -118,7 +125,7 @@ def main(argv=None) -> int:
     if a.cmd == "compare": return compare(Path(a.ref), Path(a.new))
     if not a.compiled: os.environ["ALTGRAD_COMPILE"] = "never"
     if a.stage != "whole" and not a.ckpt: p.error("--stage half/rest needs --ckpt")
-    run(Path(a.out), data_dir(Path(a.data)), a.steps, a.only, a.stage, Path(a.ckpt) if a.ckpt else None)
+    run(Path(a.out), data_dir(Path(a.data)), a.steps, a.only, a.stage, Path(a.ckpt) if a.ckpt else None, a.metrics)
     return 0
 
 

@@ -1,9 +1,11 @@
 #!/bin/bash
 # The GPU experiment in one lease of a GPU machine (the device tool's `run`), from the repository root:
 #   carry: .whl (wheels of what the machine lacks), .gpu (the tiktoken cache), outputs/gpu/_data (the prepared EurLex data)
-#   1. the gpu-marked tests (CUDA bit-exactness), 2. the benchmarks (quantize, the 8-bit step vs the BF16 step, the rules,
-#   runs per hour against concurrent runs), 3. the seeds' experiment at the gpu preset (tools/gpu_experiment.py) until the
-#   time left runs out. Everything lands under $OUT as two tars. BUDGET: seconds this script may take in all.
+#   1. the gpu-marked tests (CUDA bit-exactness, the compiled layer included), 2. the host syncs of one step
+#   (tools/host_reads.py), 3. the benchmarks (quantize; the 8-bit step vs the BF16 step, eager and compiled; runs per
+#   hour against concurrent runs), 4. the seeds' experiment at the gpu preset (tools/gpu_experiment.py) if time is left
+#   (it needs more than this script's ~300 s of stages). Everything lands under $OUT as two tars.
+#   BUDGET: seconds this script may take in all.
 set -u
 SITE=$(mktemp -d)   # the carried wheels are installed here
 export PYTHONUNBUFFERED=1
@@ -15,16 +17,16 @@ D=outputs/gpu/_data/eurlex; R=$(mktemp -d); mkdir -p $R      # $OUT returns at m
 BENCH=(python3 -m altgrad.bench)   # an array: `timeout` runs no shell function
 { nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; nproc; free -g; } > $R/env.txt 2>&1
 echo "[$(el) s] gpu tests"
-ALTGRAD_GPU_DATA=$D ALTGRAD_GPU_REPORT=$R/gpu_tests.jsonl timeout $(cap 150) python3 -m pytest tests/test_gpu.py -m gpu -q -rs -p no:cacheprovider > $R/gpu_tests.log 2>&1
+ALTGRAD_GPU_DATA=$D ALTGRAD_GPU_REPORT=$R/gpu_tests.jsonl timeout $(cap 110) python3 -m pytest tests/test_gpu.py -m gpu -q -rs -p no:cacheprovider > $R/gpu_tests.log 2>&1
 echo "tests rc=$?"; tail -n 3 $R/gpu_tests.log
+echo "[$(el) s] host syncs of one step (E5M2 on the grid, stochastic landing, with the shadow)"
+timeout $(cap 40) python3 tools/host_reads.py --data-dir $D --preset gpu --fmt E5M2 --set shadow=true --set master_weights=format --set weight_update=stochastic > $R/host_reads.json 2> $R/host_reads.err; echo "rc=$?"
 echo "[$(el) s] bench quantize"
-timeout $(cap 60) "${BENCH[@]}" quantize --device cuda --repeats 5 > $R/bench_quantize.json 2> $R/bench_quantize.err; echo "rc=$?"
-echo "[$(el) s] bench train (plain BF16 vs E5M2, shadow)"
-timeout $(cap 90) "${BENCH[@]}" train --preset gpu --fmt E5M2 --steps 12 --warmup 3 --data-dir $D > $R/bench_train.json 2> $R/bench_train.err; echo "rc=$?"
-echo "[$(el) s] bench rules"
-timeout $(cap 60) "${BENCH[@]}" train --preset gpu --fmt E5M2 --rules nearest,stochastic,kahan --steps 12 --warmup 3 --data-dir $D > $R/bench_rules.json 2> $R/bench_rules.err; echo "rc=$?"
-echo "[$(el) s] bench jobs"
-timeout $(cap 150) "${BENCH[@]}" jobs --preset gpu --set fmt=E5M2 --set shadow=true --jobs 1,2,4,8 --steps 100 --data-dir $D > $R/bench_jobs.json 2> $R/bench_jobs.err; echo "rc=$?"
+timeout $(cap 40) "${BENCH[@]}" quantize --device cuda --repeats 5 --formats E5M2,E4M3,E7M0 > $R/bench_quantize.json 2> $R/bench_quantize.err; echo "rc=$?"
+echo "[$(el) s] bench train (plain BF16 vs E5M2, shadow; eager and compile=on)"
+timeout $(cap 120) "${BENCH[@]}" train --preset gpu --fmt E5M2 --steps 12 --warmup 3 --compiled --data-dir $D > $R/bench_train.json 2> $R/bench_train.err; echo "rc=$?"
+echo "[$(el) s] bench jobs (eager: a compiled job would pay its compilation in every short wave)"
+timeout $(cap 75) "${BENCH[@]}" jobs --preset gpu --set fmt=E5M2 --set shadow=true --set compile=off --jobs 1,4,8 --steps 30 --data-dir $D > $R/bench_jobs.json 2> $R/bench_jobs.err; echo "rc=$?"
 K=$(python3 -c "import json; print(json.load(open('$R/bench_jobs.json'))['knee'])" 2>/dev/null || echo 8); [ "$K" -lt 6 ] && K=6   # at least the reference and the five FP32-master formats at once: the lease is short (this overrides a lower knee)
 LEFT=$(( BUDGET - $(el) - 75 )); [ $LEFT -lt 150 ] && LEFT=0   # the deadline leaves grace, compaction and the tars their time
 echo "[$(el) s] experiment: jobs $K, deadline $LEFT s"
