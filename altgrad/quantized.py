@@ -18,6 +18,7 @@ from .diagnostics import bit_histogram, range_edges
 from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_distributed
 from .notice import notice
 from .grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, stats_dict, STAT_FIELDS, ratio_histogram
+from .block_gemm import is_block_format, block_layer, block_layers, block_metrics, block_histograms
 
 # %% auto #0
 __all__ = ['SCALINGS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer', 'QuantizedLinear',
@@ -437,7 +438,7 @@ class LayerFormat:
         if self.pattern.startswith("re:"):
             try: re.compile(self.pattern[3:])
             except re.error as e: raise ValueError(f"layer_formats pattern {self.pattern!r} is not a valid regular expression: {e}") from None
-        if self.fmt is not None: object.__setattr__(self, "fmt", get_format(self.fmt))
+        if self.fmt is not None and not is_block_format(self.fmt): object.__setattr__(self, "fmt", get_format(self.fmt))
 
     def matches(self, name: str) -> bool:
         "Does module name `name` match this entry's pattern?"
@@ -476,13 +477,15 @@ def quantize_model(model: nn.Module, format=None, layer_formats=None, quantize_t
         for i, r in enumerate(fmts):
             if r.matches(name):
                 hits[i] += 1
-                if r.fmt is not None: todo.append((name, QuantizedLinear.from_linear(m, fmt=r.fmt, **kw)))
+                if is_block_format(r.fmt): todo.append((name, block_layer(m, r.fmt, len(todo), **kw)))   # 08_block_gemm
+                elif r.fmt is not None: todo.append((name, QuantizedLinear.from_linear(m, fmt=r.fmt, **kw)))
                 break
     for r, h in zip(fmts, hits):
         if not h and format is None:
-            notice(f"layer_formats pattern {r.pattern!r} -> {r.fmt.name if r.fmt else None} matched no linear layer "
+            notice(f"layer_formats pattern {r.pattern!r} -> {getattr(r.fmt, 'name', r.fmt)} matched no linear layer "
                    f"(names look like {next((n for n, m in model.named_modules() if isinstance(m, nn.Linear)), '?')!r})")
-    for i, (name, new) in enumerate(todo): new.set_seed(new.seed, i)   # layer index: its own random streams
+    for i, (name, new) in enumerate(todo):                 # layer index: its own random streams
+        if isinstance(new, QuantizedLinear): new.set_seed(new.seed, i)
     for name, new in todo:                                  # collect first, then modify
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
@@ -548,8 +551,8 @@ _UPDATE_KEYS = ("stall", "pred_stall", "update_ratio", "rho", "lost_update", "fl
 
 def quant_metrics(model: nn.Module) -> dict:
     "Overflow/underflow rates per layer and operand, update mechanism, clipping, non-finite flags since the last call."
-    layers = quantized_layers(model)
-    if not layers: return {}
+    layers, blk = quantized_layers(model), block_metrics(model)     # blk: block layers' diagnostics (08_block_gemm)
+    if not layers: return blk
     rows, meta, upd = [], [], []
     for name, m in layers:
         for role, q in m.quantizers().items():
@@ -589,11 +592,11 @@ def quant_metrics(model: nn.Module) -> dict:
         tot["update_ratio"] = float(torch.tensor([v[STAT_FIELDS.index("r_median")] for v in sums]).median())  # median of layer medians
         for k in _UPDATE_KEYS:
             if any(f"{k}/{name}" in out for name, *_ in upd): out[f"{k}/total"] = tot[k]
-    out["overflow/max"] = ovf_max
+    out["overflow/max"] = max(ovf_max, blk.pop("overflow/max", 0.0))
     for _, m in layers:
         for q in m.quantizers().values(): q.reset_counts()
         m._stall = None; m._decay = None; m._clipped.zero_()
-    return out
+    return out | blk
 
 def quant_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     """256-code histograms of the last quantized W, A and G of every layer (computed now, from retained tensors), and
@@ -607,4 +610,4 @@ def quant_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
                 h[role] = bit_histogram(q.last, q.fmt, q.scale, q.granularity, q.block_size).cpu()
         if m._last_update is not None: h["r"] = ratio_histogram(m._last_update[0], m._last_update[1], m.qw.qfmt, m._last_update[2]).cpu()
         if h: out[name] = h
-    return out
+    return out | block_histograms(model)

@@ -17,6 +17,7 @@ from .tracking import metrics_file, compact_metrics, METRICS_JSONL
 from .quantized import quantize_model, quantize_model_from_config, quantized_layers
 from .optim import default_lr_scale
 from .regimes import get_rule, rule_of
+from .block_report import block_section
 from .runs import (Run, load_run, write_synthetic_run, SYN_LAYERS, run_finished, read_json, read_yaml, find_writeups,
                           find_sweeps, find_matrices, is_writeup, reuse_marker, load_runs, layer_formats_of,
                           has_run, read_config, current_keys)
@@ -673,7 +674,7 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
     S = run_summary(run, ref, unigram)
     L = [f"# {title or (run.fmt or 'reference') + ': 8-bit training write-up'}", ""]
     L += _setup_lines(run, ref, extra_setup) + _results_lines(run, ref, S, unigram) + _figure_lines(run, ref, fig_dir)
-    L += mechanism_section(run, fig_dir) + _intervention_lines(run) + _failure_lines(run, out)
+    L += mechanism_section(run, fig_dir) + block_section(run, fig_dir) + _intervention_lines(run) + _failure_lines(run, out)
     L += ["## Verdict", "", f"Verdict: {S['verdict']}", "", S["reason"][0].upper() + S["reason"][1:] + ".", "",
           "Criteria (seed 002): PASS = all steps run, final validation loss within 10% of the reference's and mean gradient "
           "cosine over the 8-bit layers' weights above 0.9; FAIL at step N = non-finite loss (first NaN) or stopped early "
