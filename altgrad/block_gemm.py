@@ -123,7 +123,7 @@ class BlockLinear(nn.Linear):
 
     def extra_repr(self) -> str: return super().extra_repr() + f", recipe={self.config.recipe.name}"
 
-# %% ../nbs/08_block_gemm.ipynb #4a0016c6
+# %% ../nbs/08_block_gemm.ipynb #195b26c0
 def is_block_format(name) -> bool:
     "Is `name` a block recipe or GEMM config (a `BlockGemmConfig`, or a name in `GEMM_CONFIGS`, any case)?"
     return isinstance(name, BlockGemmConfig) or (isinstance(name, str) and name.lower() in GEMM_CONFIGS)
@@ -134,7 +134,7 @@ def canonical_format(name) -> str:
     try: return get_format(name).name
     except ValueError as e: raise ValueError(f"{e}; block recipes: {', '.join(GEMM_CONFIGS)}") from None
 
-# %% ../nbs/08_block_gemm.ipynb #d944011b
+# %% ../nbs/08_block_gemm.ipynb #5f2a8502
 def block_layer(linear: nn.Linear, fmt, layer_id: int = 0, fmt_backward=None, master_weights: str = "fp32",
                 quantize_grads: bool = False, rounding: str = "nearest", seed: int = 0, **_) -> BlockLinear:
     "The `BlockLinear` that `quantize_model(model, <recipe>, **kw)` puts in place of `linear` (FP32 master weights)."
@@ -153,7 +153,7 @@ def block_layer(linear: nn.Linear, fmt, layer_id: int = 0, fmt_backward=None, ma
     if int(seed) != cfg.seed: cfg = replace(cfg, seed=int(seed))
     return BlockLinear.from_linear(linear, cfg, layer_id)
 
-# %% ../nbs/08_block_gemm.ipynb #0434a805
+# %% ../nbs/08_block_gemm.ipynb #40beffb9
 def block_layers(model: nn.Module) -> list[tuple[str, BlockLinear]]:
     "`(name, layer)` of every `BlockLinear` in `model`."
     return [(n, m) for n, m in model.named_modules() if isinstance(m, BlockLinear)]
@@ -181,7 +181,7 @@ def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[
          "qmse": s["mse"], "sqnr_db": s["sqnr_db"]}
     return d, s["scale_hist"]
 
-# %% ../nbs/08_block_gemm.ipynb #08b6e47d
+# %% ../nbs/08_block_gemm.ipynb #4da4730d
 def block_metrics(model: nn.Module) -> dict:
     "Per layer and operand, `operand_diagnostics`' figures as `<name>/<layer>/<op>`, with `overflow/max`; {} if none."
     out, ovf = {}, 0.0

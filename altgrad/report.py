@@ -17,7 +17,7 @@ from .tracking import metrics_file, compact_metrics, METRICS_JSONL
 from .quantized import quantize_model, quantize_model_from_config, quantized_layers
 from .optim import default_lr_scale
 from .regimes import get_rule, rule_of
-from .block_report import block_section
+from .block_report import block_section, block_scaling_text
 from .runs import (Run, load_run, write_synthetic_run, SYN_LAYERS, run_finished, read_json, read_yaml, find_writeups,
                           find_sweeps, find_matrices, is_writeup, reuse_marker, load_runs, layer_formats_of,
                           has_run, read_config, current_keys)
@@ -369,7 +369,8 @@ def precision_note(run: Run) -> str:
     rnd = cfg.get("rounding", "nearest")
     L = [f"**8-bit:** the three GEMMs (forward, and both backward products) of {which} ({src}; the tied embedding / "
          f"LM head not counted): their weights W, input activations A and output gradients G are rounded "
-         f"({rnd}) to {fmts} with per-{cfg.get('granularity') or 'tensor'} {cfg.get('scaling') or 'delayed'} scaling."]
+         f"({rnd}) to {fmts} with " + (block_scaling_text(run.fmt)
+                                       or f"per-{cfg.get('granularity') or 'tensor'} {cfg.get('scaling') or 'delayed'} scaling.")]
     if n and q < n: L.append(("The other linear layer stays" if n - q == 1 else f"The other {n - q} linear layers stay")
                              + f" in high precision (precision rules: {layer_formats_of(cfg) or 'none'}).")
     not8 = ["the attention products QKᵀ and AV", "the tied token embedding / LM head", "the position embedding", "biases",

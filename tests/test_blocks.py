@@ -49,3 +49,18 @@ def test_smoke_training_with_a_recipe(fmt, small_data, tmp_path):
         r = m.config.recipe
         ref = quantize_blocks(x_in, r).values @ quantize_blocks(m.weight, r, weight=True).values.T + m.bias
         with torch.no_grad(): assert torch.equal(m(x_in), ref), name
+
+
+def test_run_format_papermill_with_a_recipe(small_data, tmp_path):
+    "The main job trains a block recipe and its write-up carries the block diagnostics."
+    import papermill as pm
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    pm.execute_notebook(str(root / "nbs" / "run_format.ipynb"), str(tmp_path / "nvfp4.ipynb"), cwd=str(root),
+                        kernel_name="python3", progress_bar=False,
+                        parameters=dict(fmt="NVFP4", preset="smoke", steps=4, out_dir=str(tmp_path), data_dir=str(small_data),
+                                        wandb_mode="disabled"))
+    report = (tmp_path / "nvfp4" / "report.md").read_text()
+    assert "## Block diagnostics" in report and "| W (forward, along K) |" in report
+    assert "UE4M3 scale per block of 16" in report and "Verdict: " in report
+    assert (tmp_path / "nvfp4" / "figures" / "block_diagnostics.png").exists()
