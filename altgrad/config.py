@@ -10,7 +10,6 @@ from pathlib import Path
 import yaml
 import torch
 from .formats import get_format
-from .block_gemm import canonical_format
 
 # %% auto #0
 __all__ = ['REGIME_KEYS', 'KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS', 'RESEARCH_KEYS',
@@ -220,6 +219,7 @@ def _coerce(key: str, value, tp):
 # %% ../nbs/05_config.ipynb #de473e73
 def _check_format(key: str, name) -> str | None:
     "Error message if `name` is neither a registered element format nor a block recipe (08_block_gemm)."
+    from altgrad.block_gemm import canonical_format      # (08 comes after this notebook)
     if not isinstance(name, str): return f"{key} must be a format name (str), got {name!r}"
     try: canonical_format(name)
     except ValueError as e: return f"{key}={name!r}: {e}"
