@@ -64,3 +64,17 @@ def test_run_format_papermill_with_a_recipe(small_data, tmp_path):
     assert "## Block diagnostics" in report and "| W (forward, along K) |" in report
     assert "UE4M3 scale per block of 16" in report and "Verdict: " in report
     assert (tmp_path / "nvfp4" / "figures" / "block_diagnostics.png").exists()
+
+
+def test_block_run_resumes_bit_exactly(small_data, tmp_path):
+    "A block run with stochastic rounding (nvfp4_training) stopped and resumed ends with the same weights as one straight run."
+    from altgrad.config import load_config
+    from altgrad.trainer import Trainer
+    kw = dict(fmt="nvfp4_training", data_dir=str(small_data), wandb_mode="disabled", eval_interval=2, checkpoint_interval=2,
+              shadow=False, max_steps=4)
+    straight = Trainer(load_config("smoke", out_dir=str(tmp_path / "a"), **kw), progress=False); straight.fit()
+    first = Trainer(load_config("smoke", out_dir=str(tmp_path / "b"), **kw), progress=False); first.fit(until=2)
+    resumed = Trainer(load_config("smoke", out_dir=str(tmp_path / "b"), resume=True, **kw), progress=False); resumed.fit()
+    assert resumed.step == 4
+    for (n, p), (_, q) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        if torch.is_tensor(p): assert torch.equal(p, q), n
