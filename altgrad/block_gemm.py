@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass, replace
 import torch
 from torch import nn
-from .formats import get_format
-from .microscaling import BlockRecipe, get_recipe, quantize_blocks, block_stats, _blocked
+from .formats import get_format, to_bits
+from .microscaling import BlockRecipe, get_recipe, quantize_blocks, block_stats, _blocked, _scale_code_range
 
 # %% auto #0
 __all__ = ['OPERAND_ROUNDINGS', 'GEMM_CONFIGS', 'BlockGemmConfig', 'get_gemm_config', 'hadamard_matrix', 'rotate_rows',
@@ -169,13 +169,20 @@ def _block_share(mask: torch.Tensor, r: BlockRecipe, weight: bool) -> torch.Tens
     "The share of `r`'s blocks of `mask` (blocked along its last axis) with any element set."
     return _blocked(mask.float().reshape(-1, mask.shape[-1]), r, weight).amax(dim=(1, 3)).mean()
 
+def _scale_clamped(x: torch.Tensor, b, r: BlockRecipe, weight: bool) -> torch.Tensor:
+    "Share of the blocks holding a non-zero element whose scale sits at its format's bottom or top code."
+    nz = _blocked(x.reshape(-1, x.shape[-1]), r, weight).abs().amax(dim=(1, 3)) > 0    # an all-zero block clamps harmlessly
+    codes = (b.scales if r.scale == "UE8M0" else to_bits(b.scales, r.scale)).long()
+    lo, hi = _scale_code_range(r)
+    return (((codes <= lo) | (codes >= hi)) & nz).float().sum() / nz.sum().clamp(min=1)
+
 def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[dict, torch.Tensor]:
     "(scalar diagnostics, scale-code histogram) of block-quantizing `x` along its last axis with `recipe`."
     r = get_recipe(recipe); x = x.detach().float(); b = quantize_blocks(x, r, weight=weight, compiled=False)
     s = block_stats(x, b, r)
     sat = (b.elements.abs() == get_format(r.elem).max_value) & (x.abs() > b.values.abs())
     und = (b.values == 0) & (x != 0)
-    d = {"scale_clamp": s["scale_at_bottom"] + s["scale_at_top"],
+    d = {"scale_clamp": _scale_clamped(x, b, r, weight),
          "overflow": s["saturated"], "underflow": s["underflow"],
          "block_overflow": _block_share(sat, r, weight), "block_underflow": _block_share(und, r, weight),
          "qmse": s["mse"], "sqnr_db": s["sqnr_db"]}

@@ -4,7 +4,8 @@
 
 Trains the high-precision reference, the tensor-wise E4M3 and E2M1 runs for comparison, and each block recipe (smoke
 preset, one seed) through the same `sweep.format_config` / `sweep.train` path as `run_format`; writes only the table
-and a small JSON of its numbers (no runs, checkpoints or logs) to `--out`.
+and a small JSON of its numbers (no runs, checkpoints or logs) to `--out`. Finished reference and tensor-wise runs of
+the same config in `--runs` are reused; the block runs always train.
 """
 from __future__ import annotations
 import argparse, json, sys, time
@@ -54,7 +55,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--preset", default="smoke")
     a = p.parse_args(argv)
-    from altgrad.sweep import format_config, reference_run, train
+    from altgrad.sweep import format_config, reference_run, run_plan, train
     from altgrad.runs import load_run
     runs, t0 = Path(a.runs), time.time()
     ref_dir = reference_run(runs, a.preset, a.seed, a.steps, a.data, "disabled")
@@ -63,8 +64,8 @@ def main(argv=None):
     for name in BASELINES + RECIPES:
         cfg = format_config(name, runs, preset=a.preset, seed=a.seed, steps=a.steps, data_dir=a.data, wandb_mode="disabled",
                             checkpoint_interval=a.steps)
-        print(f"training {name} -> {cfg.out_dir}", flush=True)
-        train(cfg, overwrite=True)
+        if name in BASELINES and run_plan(cfg.out_dir, cfg)[0] == "reuse": print(f"reusing {cfg.out_dir}", flush=True)
+        else: print(f"training {name} -> {cfg.out_dir}", flush=True); train(cfg, overwrite=True)
         rows.append(row(name, load_run(cfg.out_dir), ref))
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     ref_loss = ref.last("val/loss")
@@ -76,7 +77,7 @@ def main(argv=None):
          "formats (per-tensor delayed scaling), for comparison. Weights on a block grid are not built, so the sweep has "
          "no on-grid rows.", "",
          "Block figures are means over the steps and the 8 linear layers (`block_metrics`): SQNR of each operand, the "
-         "share of blocks whose scale sits at its format's bottom or top code, the share of elements that saturate at the "
+         "share of blocks holding a non-zero element whose scale sits at its format's bottom or top code, the share of elements that saturate at the "
          "element format's largest value, and of non-zero elements flushed to zero.", ""]
     L += table(rows, ref_loss) + ["", f"Made by `tools/block_sweep.py` in {time.time() - t0:.0f} s.", ""]
     (out / "summary.md").write_text("\n".join(L))
