@@ -174,7 +174,8 @@ def _scale_clamped(x: torch.Tensor, b, r: BlockRecipe, weight: bool) -> torch.Te
     nz = _blocked(x.reshape(-1, x.shape[-1]), r, weight).abs().amax(dim=(1, 3)) > 0    # an all-zero block clamps harmlessly
     codes = (b.scales if r.scale == "UE8M0" else to_bits(b.scales, r.scale)).long()
     lo, hi = _scale_code_range(r)
-    return (((codes <= lo) | (codes >= hi)) & nz).float().sum() / nz.sum().clamp(min=1)
+    hit = codes <= lo if r.tensor_scale else (codes <= lo) | (codes >= hi)   # a tensor scale puts the top block at hi
+    return (hit & nz).float().sum() / nz.sum().clamp(min=1)
 
 def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[dict, torch.Tensor]:
     "(scalar diagnostics, scale-code histogram) of block-quantizing `x` along its last axis with `recipe`."
