@@ -8,11 +8,13 @@ import math
 from dataclasses import dataclass, replace
 import torch
 from torch import nn
-from .microscaling import BlockRecipe, get_recipe, quantize_blocks
+from .formats import get_format, to_bits
+from .microscaling import BlockRecipe, get_recipe, quantize_blocks, block_stats, _blocked, _scale_code_range
 
 # %% auto #0
 __all__ = ['OPERAND_ROUNDINGS', 'GEMM_CONFIGS', 'BlockGemmConfig', 'get_gemm_config', 'hadamard_matrix', 'rotate_rows',
-           'BlockLinear']
+           'BlockLinear', 'is_block_format', 'canonical_format', 'block_layer', 'block_layers', 'block_operands',
+           'operand_diagnostics', 'block_metrics', 'block_histograms']
 
 # %% ../nbs/08_block_gemm.ipynb #0641ccfa
 OPERAND_ROUNDINGS = ("nearest", "stochastic")
@@ -101,12 +103,16 @@ class BlockLinear(nn.Linear):
         self.config, self.layer_id = get_gemm_config(config), layer_id
         self.gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + layer_id)   # a stream per layer
         self.register_buffer("R", hadamard_matrix(16, self.config.seed), persistent=False)
+        self.last_a = self.last_g = None            # the last training A and G, for the block diagnostics
 
     def get_extra_state(self) -> dict: return {"generator": self.gen.get_state()}
     def set_extra_state(self, state: dict): self.gen.set_state(state["generator"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _BlockGemmFn.apply(x, self.weight, self.bias, self.config, self.gen, self.R).to(x.dtype)
+        y = _BlockGemmFn.apply(x, self.weight, self.bias, self.config, self.gen, self.R).to(x.dtype)
+        if self.training and y.requires_grad:
+            self.last_a = x.detach(); y.register_hook(lambda g: setattr(self, "last_g", g.detach()))
+        return y
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config="mxfp8", layer_id: int = 0) -> "BlockLinear":
@@ -116,3 +122,85 @@ class BlockLinear(nn.Linear):
         return m
 
     def extra_repr(self) -> str: return super().extra_repr() + f", recipe={self.config.recipe.name}"
+
+# %% ../nbs/08_block_gemm.ipynb #195b26c0
+def is_block_format(name) -> bool:
+    "Is `name` a block recipe or GEMM config (a `BlockGemmConfig`, or a name in `GEMM_CONFIGS`, any case)?"
+    return isinstance(name, BlockGemmConfig) or (isinstance(name, str) and name.lower() in GEMM_CONFIGS)
+
+def canonical_format(name) -> str:
+    "The registered name of an element format (`E4M3`) or block recipe (`nvfp4`); a bad name's error lists both."
+    if is_block_format(name): return name.lower()
+    try: return get_format(name).name
+    except ValueError as e: raise ValueError(f"{e}; block recipes: {', '.join(GEMM_CONFIGS)}") from None
+
+# %% ../nbs/08_block_gemm.ipynb #5f2a8502
+def block_layer(linear: nn.Linear, fmt, layer_id: int = 0, fmt_backward=None, master_weights: str = "fp32",
+                quantize_grads: bool = False, rounding: str = "nearest", seed: int = 0, **_) -> BlockLinear:
+    "The `BlockLinear` that `quantize_model(model, <recipe>, **kw)` puts in place of `linear` (FP32 master weights)."
+    cfg, name = get_gemm_config(fmt), fmt if isinstance(fmt, str) else "a BlockGemmConfig"
+    if master_weights != "fp32":
+        raise ValueError(f"master_weights={master_weights!r} with block recipe {name!r}: weights on a block "
+                         "grid are not built yet; use master_weights='fp32' (an FP32 master copy, quantized per GEMM)")
+    if quantize_grads: raise ValueError(f"quantize_grads=True with block recipe {name!r}: the weight gradient is "
+                                        "already a block GEMM's output; set quantize_grads=False")
+    if fmt_backward is not None:
+        if not is_block_format(fmt_backward):
+            raise ValueError(f"fmt_backward={fmt_backward!r} with block recipe {name!r}: give a block recipe for the "
+                             f"gradients, one of {list(GEMM_CONFIGS)}, or None (the same as fmt)")
+        cfg = replace(cfg, grad_recipe=get_gemm_config(fmt_backward).recipe)
+    if rounding != "nearest": cfg = replace(cfg, rounding_a=rounding, rounding_w=rounding, rounding_g=rounding)
+    if int(seed) != cfg.seed: cfg = replace(cfg, seed=int(seed))
+    return BlockLinear.from_linear(linear, cfg, layer_id)
+
+# %% ../nbs/08_block_gemm.ipynb #40beffb9
+def block_layers(model: nn.Module) -> list[tuple[str, BlockLinear]]:
+    "`(name, layer)` of every `BlockLinear` in `model`."
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, BlockLinear)]
+
+def block_operands(m: BlockLinear) -> dict[str, tuple]:
+    "`{role: (tensor, recipe, weight)}` of `m`'s W, last A and last G (each blocked along its last axis by its GEMM)."
+    c, out = m.config, {"w": (m.weight, m.config.recipe, True)}
+    if m.last_a is not None: out["a"] = (m.last_a, c.recipe, False)
+    if m.last_g is not None: out["g"] = (m.last_g, c.grad_recipe, False)
+    return out
+
+def _block_share(mask: torch.Tensor, r: BlockRecipe, weight: bool) -> torch.Tensor:
+    "The share of `r`'s blocks of `mask` (blocked along its last axis) with any element set."
+    return _blocked(mask.float().reshape(-1, mask.shape[-1]), r, weight).amax(dim=(1, 3)).mean()
+
+def _scale_clamped(x: torch.Tensor, b, r: BlockRecipe, weight: bool) -> torch.Tensor:
+    "Share of the blocks holding a non-zero element whose scale sits at its format's bottom or top code."
+    nz = _blocked(x.reshape(-1, x.shape[-1]), r, weight).abs().amax(dim=(1, 3)) > 0    # an all-zero block clamps harmlessly
+    codes = (b.scales if r.scale == "UE8M0" else to_bits(b.scales, r.scale)).long()
+    lo, hi = _scale_code_range(r)
+    hit = codes <= lo if r.tensor_scale else (codes <= lo) | (codes >= hi)   # a tensor scale puts the top block at hi
+    return (hit & nz).float().sum() / nz.sum().clamp(min=1)
+
+def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[dict, torch.Tensor]:
+    "(scalar diagnostics, scale-code histogram) of block-quantizing `x` along its last axis with `recipe`."
+    r = get_recipe(recipe); x = x.detach().float(); b = quantize_blocks(x, r, weight=weight, compiled=False)
+    s = block_stats(x, b, r)
+    sat = (b.elements.abs() == get_format(r.elem).max_value) & (x.abs() > b.values.abs())
+    und = (b.values == 0) & (x != 0)
+    d = {"scale_clamp": _scale_clamped(x, b, r, weight),
+         "overflow": s["saturated"], "underflow": s["underflow"],
+         "block_overflow": _block_share(sat, r, weight), "block_underflow": _block_share(und, r, weight),
+         "qmse": s["mse"], "sqnr_db": s["sqnr_db"]}
+    return d, s["scale_hist"]
+
+# %% ../nbs/08_block_gemm.ipynb #4da4730d
+def block_metrics(model: nn.Module) -> dict:
+    "Per layer and operand, `operand_diagnostics`' figures as `<name>/<layer>/<op>`, with `overflow/max`; {} if none."
+    out, ovf = {}, 0.0
+    for name, m in block_layers(model):
+        for role, (x, r, w) in block_operands(m).items():
+            d = operand_diagnostics(x, r, w)[0]
+            for k, v in d.items(): out[f"{k}/{name}/{role}"] = float(v)
+            ovf = max(ovf, out[f"overflow/{name}/{role}"])
+    return out | {"overflow/max": ovf} if out else out
+
+def block_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    "`{layer: {'scale_<op>': histogram of the scale codes}}` of every `BlockLinear`'s W, last A and last G."
+    return {name: {f"scale_{role}": operand_diagnostics(x, r, w)[1] for role, (x, r, w) in block_operands(m).items()}
+            for name, m in block_layers(model)}

@@ -229,9 +229,10 @@ def _coerce(key: str, value, tp):
 
 # %% ../nbs/05_config.ipynb #de473e73
 def _check_format(key: str, name) -> str | None:
-    "Error message if `name` is not a registered 8-bit format."
+    "Error message if `name` is neither a registered element format nor a block recipe (08_block_gemm)."
+    from altgrad.block_gemm import canonical_format      # (08 comes after this notebook)
     if not isinstance(name, str): return f"{key} must be a format name (str), got {name!r}"
-    try: get_format(name)
+    try: canonical_format(name)
     except ValueError as e: return f"{key}={name!r}: {e}"
     return None
 
@@ -365,7 +366,7 @@ KEY_DOCS = {   # one line per TrainConfig key: what it means (allowed values are
     "beta1": "first-moment decay (AdamW, Lion)", "beta2": "second-moment decay (AdamW, Lion)",
     "grad_clip": "gradient-norm clip (0: off)",
     "precision": "'auto' (bf16 autocast on CUDA, fp32 on CPU) | 'bf16' | 'fp32'",
-    "fmt": "8-bit format of the linear layers (altgrad.formats; None: no 8-bit simulation)",
+    "fmt": "format of the linear layers: an element format or a block recipe (mxfp8, nvfp4...); None: no simulation",
     "fmt_backward": "format of the backward pass (None: same as fmt)",
     "scaling": "'delayed' (amax history) | 'current' (this tensor's amax)",
     "granularity": "scale per 'tensor' | 'channel' | 'block'", "block_size_q": "elements per scaling block (granularity='block')",

@@ -19,6 +19,7 @@ from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_dis
 from .notice import notice
 from .metrics import HostRead
 from .grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, stats_dict, STAT_FIELDS, ratio_histogram
+from .block_gemm import is_block_format, block_layer, block_layers, block_metrics, block_histograms
 
 # %% auto #0
 __all__ = ['SCALINGS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer', 'QuantizedLinear',
@@ -440,7 +441,7 @@ class LayerFormat:
         if self.pattern.startswith("re:"):
             try: re.compile(self.pattern[3:])
             except re.error as e: raise ValueError(f"layer_formats pattern {self.pattern!r} is not a valid regular expression: {e}") from None
-        if self.fmt is not None: object.__setattr__(self, "fmt", get_format(self.fmt))
+        if self.fmt is not None and not is_block_format(self.fmt): object.__setattr__(self, "fmt", get_format(self.fmt))
 
     def matches(self, name: str) -> bool:
         "Does module name `name` match this entry's pattern?"
@@ -479,13 +480,15 @@ def quantize_model(model: nn.Module, format=None, layer_formats=None, quantize_t
         for i, r in enumerate(fmts):
             if r.matches(name):
                 hits[i] += 1
-                if r.fmt is not None: todo.append((name, QuantizedLinear.from_linear(m, fmt=r.fmt, **kw)))
+                if is_block_format(r.fmt): todo.append((name, block_layer(m, r.fmt, len(todo), **kw)))   # 08_block_gemm
+                elif r.fmt is not None: todo.append((name, QuantizedLinear.from_linear(m, fmt=r.fmt, **kw)))
                 break
     for r, h in zip(fmts, hits):
         if not h and format is None:
-            notice(f"layer_formats pattern {r.pattern!r} -> {r.fmt.name if r.fmt else None} matched no linear layer "
+            notice(f"layer_formats pattern {r.pattern!r} -> {getattr(r.fmt, 'name', r.fmt)} matched no linear layer "
                    f"(names look like {next((n for n, m in model.named_modules() if isinstance(m, nn.Linear)), '?')!r})")
-    for i, (name, new) in enumerate(todo): new.set_seed(new.seed, i)   # layer index: its own random streams
+    for i, (name, new) in enumerate(todo):                 # layer index: its own random streams
+        if isinstance(new, QuantizedLinear): new.set_seed(new.seed, i)
     for name, new in todo:                                  # collect first, then modify
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
@@ -555,8 +558,8 @@ def quant_metrics(model: nn.Module) -> dict:
 
 def queue_quant_metrics(reads: HostRead, model: nn.Module) -> HostRead:
     "Queue `quant_metrics` on `reads`: the counts and statistics are taken (copied) and reset now, read with the step."
-    layers = quantized_layers(model)
-    if not layers: return reads.add(torch.zeros(0), lambda _: {})
+    layers, blk = quantized_layers(model), block_metrics(model)     # blk: block layers' diagnostics (08_block_gemm)
+    if not layers: return reads.add(torch.zeros(0), lambda _: blk)
     rows, meta, upd = [], [], []
     for name, m in layers:
         for role, q in m.quantizers().items():
@@ -583,8 +586,10 @@ def queue_quant_metrics(reads: HostRead, model: nn.Module) -> HostRead:
     nv, nt, F = vals.numel(), totals.numel(), len(STAT_FIELDS)
     def build(flat):
         for j, i in enumerate(summed): meta[i] = (meta[i][0], meta[i][1], int(flat[nv + j]), meta[i][3])
-        return _quant_metrics_dict(meta, [flat[3 * k: 3 * k + 3] for k in range(len(rows))], upd,
-                                   [flat[nv + nt + k * F: nv + nt + (k + 1) * F] for k in range(len(upd))])
+        out = _quant_metrics_dict(meta, [flat[3 * k: 3 * k + 3] for k in range(len(rows))], upd,
+                                  [flat[nv + nt + k * F: nv + nt + (k + 1) * F] for k in range(len(upd))])
+        if not blk: return out
+        return out | blk | {"overflow/max": max(out["overflow/max"], blk["overflow/max"])}
     flat = torch.cat([vals.reshape(-1), totals.to(dev, torch.float64), sums.reshape(-1).to(dev, torch.float64)])
     return reads.add(flat, build)
 
@@ -627,4 +632,4 @@ def quant_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
                 h[role] = bit_histogram(q.last, q.fmt, q.scale, q.granularity, q.block_size).cpu()
         if m._last_update is not None: h["r"] = ratio_histogram(m._last_update[0], m._last_update[1], m.qw.qfmt, m._last_update[2]).cpu()
         if h: out[name] = h
-    return out
+    return out | block_histograms(model)

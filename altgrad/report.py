@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 from .grid import LANDINGS, R_EDGES, RESIDUAL_BYTES
 from .optim import default_lr_scale
 from .regimes import get_rule, rule_of
+from .block_report import block_section, block_scaling_text
 from .runs import Run, load_run, run_finished, layer_formats_of
 
 # %% auto #0
@@ -356,7 +357,8 @@ def precision_note(run: Run) -> str:
     rnd = cfg.get("rounding", "nearest")
     L = [f"**8-bit:** the three GEMMs (forward, and both backward products) of {which} ({src}; the tied embedding / "
          f"LM head not counted): their weights W, input activations A and output gradients G are rounded "
-         f"({rnd}) to {fmts} with per-{cfg.get('granularity') or 'tensor'} {cfg.get('scaling') or 'delayed'} scaling."]
+         f"({rnd}) to {fmts} with " + (block_scaling_text(run.fmt)
+                                       or f"per-{cfg.get('granularity') or 'tensor'} {cfg.get('scaling') or 'delayed'} scaling.")]
     if n and q < n: L.append(("The other linear layer stays" if n - q == 1 else f"The other {n - q} linear layers stay")
                              + f" in high precision (precision rules: {layer_formats_of(cfg) or 'none'}).")
     not8 = ["the attention products QKᵀ and AV", "the tied token embedding / LM head", "the position embedding", "biases",
@@ -661,7 +663,7 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
     S = run_summary(run, ref, unigram)
     L = [f"# {title or (run.fmt or 'reference') + ': 8-bit training write-up'}", ""]
     L += _setup_lines(run, ref, extra_setup) + _results_lines(run, ref, S, unigram) + _figure_lines(run, ref, fig_dir)
-    L += mechanism_section(run, fig_dir) + _intervention_lines(run) + _failure_lines(run, out)
+    L += mechanism_section(run, fig_dir) + block_section(run, fig_dir) + _intervention_lines(run) + _failure_lines(run, out)
     L += ["## Verdict", "", f"Verdict: {S['verdict']}", "", S["reason"][0].upper() + S["reason"][1:] + ".", "",
           "Criteria (seed 002): PASS = all steps run, final validation loss within 10% of the reference's and mean gradient "
           "cosine over the 8-bit layers' weights above 0.9; FAIL at step N = non-finite loss (first NaN) or stopped early "

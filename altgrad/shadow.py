@@ -8,6 +8,7 @@ import copy, math
 import torch
 import torch.nn as nn
 from .quantized import QuantizedLinear
+from .block_gemm import BlockLinear
 from .distributed import average_
 from .metrics import HostRead
 
@@ -17,7 +18,7 @@ __all__ = ['quantized_types', 'plain_fp32_copy', 'rng_snapshot', 'FP32ShadowMode
 # %% ../nbs/22_shadow.ipynb #191679f3
 def quantized_types() -> tuple[type, ...]:
     "The module classes a shadow must replace by `nn.Linear`."
-    return (QuantizedLinear,)
+    return (QuantizedLinear, BlockLinear)
 
 def _as_linear(q: nn.Module) -> nn.Linear:
     "An `nn.Linear` sharing `q`'s weight and bias Parameters (new FP32 Parameters if `q` exposes plain tensors)."

@@ -11,6 +11,7 @@ import yaml
 import torch
 from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides, research_choices
 from .formats import get_format, grid_equivalent, equivalent_formats
+from .block_gemm import canonical_format
 from .data import prepare_eurlex, shared_data_dir, load_meta, unigram_baseline
 from .optim import OPTIMIZERS, default_lr_scale
 from .trainer import Trainer, Interrupted
@@ -154,7 +155,7 @@ def format_config(fmt: str, out, preset: str = "auto", seed: int = 42, steps: in
                   layer_formats=None, tag: str = "", interventions: bool = False, master_weights: str = "fp32",
                   stop_on_nan: bool = True, shadow: bool = True, wandb_mode: str = "auto", **overrides):
     "The TrainConfig of one format run (its run folder is `out/<name>/run`; `steps` None: the preset's `max_steps`)."
-    get_format(fmt)  # clear error for unknown names
+    canonical_format(fmt)  # clear error for unknown names (element formats and block recipes)
     d = Path(out) / run_name(fmt, tag) / "run"
     if steps is not None: overrides["max_steps"] = steps
     return load_config(resolve_preset(preset), fmt=fmt, layer_formats=list(layer_formats or []), seed=seed,
@@ -168,7 +169,7 @@ _RUN_ARTIFACTS = ("run", "figures", "report.md", "summary.json", "metrics.jsonl"
 def grid_key(cfg) -> str:
     "Identity of the training `cfg` asks for, with grid-equivalent formats identified (equal keys: the same run)."
     canon = {n: g[0] for g in equivalent_formats() for n in g}
-    c = lambda f: None if f is None else canon.get(get_format(f).name, get_format(f).name)
+    c = lambda f: None if f is None else canon.get(canonical_format(f), canonical_format(f))
     d = {k: v for k, v in cfg.to_dict().items() if not ignored_key(k)}
     d["fmt"], d["fmt_backward"] = c(d.get("fmt")), c(d.get("fmt_backward"))
     d["layer_formats"] = [[p, c(f)] for p, f in d.get("layer_formats") or []]

@@ -224,7 +224,8 @@ def layer_census(model: nn.Module) -> dict:
     "How many linear layers the model has (a tied LM head excluded: it shares the embedding) and which are 8-bit."
     tied = quantized._tied_linears(model)
     linears = [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear) and n not in tied]
-    names = [n for n, _ in quantized.quantized_layers(model)]
+    low = dict(quantized.quantized_layers(model) + quantized.block_layers(model))   # 8-bit and block-format layers
+    names = [n for n, _ in model.named_modules() if n in low]
     return dict(linear_layers=len(linears), quantized_layers=len(names), quantized_layer_names=names)
 
 @patch

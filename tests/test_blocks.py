@@ -1,0 +1,80 @@
+"Block recipes wherever a format name is: quantize_model, the config validator, a smoke-preset training run."
+import math
+import pytest
+import torch
+from torch import nn
+
+
+def test_quantize_model_swaps_in_block_layers():
+    from altgrad.quantized import quantize_model, quantized_layers
+    from altgrad.block_gemm import BlockLinear, block_layers
+    from altgrad.model import GPT, GPTConfig
+    model = GPT(GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=64))
+    quantize_model(model, "NVFP4")
+    layers = block_layers(model)
+    assert len(layers) == 8 and not quantized_layers(model)           # every linear but the tied LM head
+    assert all(m.config.recipe.name == "nvfp4" for _, m in layers) and [m.layer_id for _, m in layers] == list(range(8))
+    assert type(model.lm_head) is nn.Linear
+    mixed = quantize_model(GPT(GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=64)),
+                           layer_formats=[["*.mlp.*", "mxfp4"], ["*", "E4M3"]])
+    assert len(block_layers(mixed)) == 4 and len(quantized_layers(mixed)) == 4
+    with pytest.raises(ValueError, match="master_weights='fp32'"):
+        quantize_model(nn.Sequential(nn.Linear(64, 64)), "mxfp8", master_weights="format")
+
+
+def test_config_accepts_recipes_and_lists_both():
+    from altgrad.config import load_config, ConfigError
+    assert load_config("smoke", fmt="mxfp4").fmt == "mxfp4"
+    with pytest.raises(ConfigError) as e: load_config("smoke", fmt="mxfp5")
+    assert "E4M3" in str(e.value) and "nvfp4" in str(e.value) and "mxfp6" in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_smoke_training_with_a_recipe(fmt, small_data, tmp_path):
+    from altgrad.config import load_config
+    from altgrad.trainer import Trainer
+    from altgrad.block_gemm import block_layers
+    from altgrad.microscaling import quantize_blocks
+    from altgrad.runs import load_run
+    cfg = load_config("smoke", fmt=fmt, max_steps=3, data_dir=str(small_data), out_dir=str(tmp_path / fmt),
+                      wandb_mode="disabled", eval_interval=3, checkpoint_interval=3)
+    t = Trainer(cfg, progress=False); s = t.fit()
+    assert s["final_step"] == 3 and math.isfinite(s["final_train_loss"]) and math.isfinite(s["final_val_loss"])
+    assert s["quantized_layers"] == 8
+    run = load_run(tmp_path / fmt)
+    assert len(run.keys("sqnr_db/")) == 8 * 3 and all(math.isfinite(run.last(k)) for k in run.keys("sqnr_db/"))
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
+    for name, m in block_layers(t.model):                              # the trained layers compute the reference
+        m.eval(); x_in = x if m.in_features == 64 else torch.randn(2, 32, m.in_features)
+        r = m.config.recipe
+        ref = quantize_blocks(x_in, r).values @ quantize_blocks(m.weight, r, weight=True).values.T + m.bias
+        with torch.no_grad(): assert torch.equal(m(x_in), ref), name
+
+
+def test_run_format_papermill_with_a_recipe(small_data, tmp_path):
+    "The main job trains a block recipe and its write-up carries the block diagnostics."
+    import papermill as pm
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    pm.execute_notebook(str(root / "nbs" / "run_format.ipynb"), str(tmp_path / "nvfp4.ipynb"), cwd=str(root),
+                        kernel_name="python3", progress_bar=False,
+                        parameters=dict(fmt="NVFP4", preset="smoke", steps=4, out_dir=str(tmp_path), data_dir=str(small_data),
+                                        wandb_mode="disabled"))
+    report = (tmp_path / "nvfp4" / "report.md").read_text()
+    assert "## Block diagnostics" in report and "| W (forward, along K) |" in report
+    assert "UE4M3 scale per block of 16" in report and "Verdict: " in report
+    assert (tmp_path / "nvfp4" / "figures" / "block_diagnostics.png").exists()
+
+
+def test_block_run_resumes_bit_exactly(small_data, tmp_path):
+    "A block run with stochastic rounding (nvfp4_training) stopped and resumed ends with the same weights as one straight run."
+    from altgrad.config import load_config
+    from altgrad.trainer import Trainer
+    kw = dict(fmt="nvfp4_training", data_dir=str(small_data), wandb_mode="disabled", eval_interval=2, checkpoint_interval=2,
+              shadow=False, max_steps=4)
+    straight = Trainer(load_config("smoke", out_dir=str(tmp_path / "a"), **kw), progress=False); straight.fit()
+    first = Trainer(load_config("smoke", out_dir=str(tmp_path / "b"), **kw), progress=False); first.fit(until=2)
+    resumed = Trainer(load_config("smoke", out_dir=str(tmp_path / "b"), resume=True, **kw), progress=False); resumed.fit()
+    assert resumed.step == 4
+    for (n, p), (_, q) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        if torch.is_tensor(p): assert torch.equal(p, q), n
