@@ -1,4 +1,4 @@
-"""Issue 29, item 1: the step's statistics stay on the device until two batched reads per step (`metrics.HostRead`),
+"""The fast step: the step's statistics stay on the device until two batched reads per step (`metrics.HostRead`),
 and log exactly what the step logged when it read each statistic separately (commit REF), for every registered regime."""
 import io, json, os, subprocess, sys, tarfile
 from pathlib import Path
@@ -48,7 +48,7 @@ def test_batched_reads_log_the_same_metrics(tmp_path, small_data):
 
 
 def test_committed_configs_keep_their_step():
-    """Issue 29, item 5: the `compile` switch leaves every committed run's resolved config as it was (each holds
+    """The fast step: the `compile` switch leaves every committed run's resolved config as it was (each holds
     `compile: false`, which still reads as `off` and is written back as `false`), so `same_config`/`check_run` reuse
     and resume them, the confirmatory study's runs included; a config without the key means `off` as well."""
     import glob, json, yaml

@@ -1,4 +1,4 @@
-"""Count the host synchronisations of one training step on CUDA (issue 29, item 1), and where they come from.
+"""Count the host synchronisations of one training step on CUDA, and where they come from.
 
     python tools/host_reads.py --data-dir DIR [--preset gpu] [--fmt E5M2] [--steps 3] [--set key=value ...]
 
