@@ -104,6 +104,7 @@ class TrainConfig:
         for f in fields(self):
             setattr(self, f.name, keys[f.name] if f.name in keys else f.default_factory() if f.default is MISSING else f.default)
         self.validate()
+        if self.lr_scale is not None and self.lr_scale == self.regime.lr_scale: self.lr_scale = None   # its own rate
 
     def validate(self) -> TrainConfig:
         "Coerce values to their field types and check every constraint; raise `ConfigError` listing all problems."
@@ -183,21 +184,27 @@ def _field_types() -> dict:
     return {f.name: hints[f.name] for f in fields(TrainConfig)}
 
 def _unwrap_optional(tp):
-    "(base type, is_optional) for `X | None`."
+    "(base type, is_optional) for `X | None` (a union without None, `bool | str`: its first type, not optional)."
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], True
+        return args[0], len(args) < len(typing.get_args(tp))
     return tp, False
+
+def _switch(value):
+    """A switch with named modes (`bool | str`, `compile`): on/off words and 0/1 as bools, other words lower-cased;
+    anything else is left as given, for validation to name with the valid modes."""
+    if isinstance(value, str): w = value.strip().lower(); return w in _TRUE if w in _TRUE + _FALSE else w
+    if isinstance(value, int) and value in (0, 1): return bool(value)         # (a bool is an int: kept)
+    return value
 
 # %% ../nbs/05_config.ipynb #ebc65e3f
 def _coerce(key: str, value, tp):
     "Convert `value` to type `tp` where unambiguous; raise `ConfigError` otherwise."
     base, optional = _unwrap_optional(tp)
+    if base is bool and str in typing.get_args(tp): return _switch(value)
     if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS)): return None
     if value is None: raise ConfigError(f"{key} must be a {base.__name__}, got None")
     bad = ConfigError(f"{key} must be a {base.__name__}{' or None' if optional else ''}, got {value!r} ({type(value).__name__})")
-    named = base is bool and str in typing.get_args(tp) and isinstance(value, str)     # a switch with a named mode
-    if named and value.strip().lower() not in _TRUE + _FALSE: return value.strip().lower()   # besides on/off: 'auto'
     if base is bool:
         if isinstance(value, bool): return value
         if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE: return value.strip().lower() in _TRUE
@@ -260,7 +267,7 @@ def _validate(cfg: TrainConfig):
         if v is not None and (msg := _check_range(key, v, *rng)): errors.append(msg)
     if cfg.n_embd % cfg.n_head: errors.append(f"n_embd must be divisible by n_head (n_embd={cfg.n_embd}, n_head={cfg.n_head})")
     if cfg.min_lr > cfg.lr: errors.append(f"min_lr={cfg.min_lr} must be <= lr={cfg.lr}")
-    if cfg.compile not in (False, True, "auto"):
+    if not (cfg.compile is False or cfg.compile is True or cfg.compile == "auto"):   # (1 == True: not a mode)
         errors.append(f"compile={cfg.compile!r} is not one of 'off' (false), 'on' (true), 'auto'; "
                       "set compile=off, on or auto")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
@@ -341,7 +348,6 @@ def fold_regime(d: dict, source: str = "config") -> dict:
     try: out["regime"] = given if "regime" in d and keys == regime_keys(given) else rule_from_keys(keys, lr)
     except ValueError as e:
         raise ConfigError(f"invalid config (in {source}): the regime keys {parts} give no valid regime: {e}") from None
-    if lr is not None and lr == out["regime"].lr_scale: out["lr_scale"] = None   # the regime's own rate, as saved
     return out
 
 def merge_keys(base: dict, top: dict) -> dict:

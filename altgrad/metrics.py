@@ -29,7 +29,7 @@ class HostRead:
         parts, self.parts = self.parts, []
         if not parts: return []
         dev = next((v.device for v, _ in parts if v.numel()), parts[0][0].device)
-        flat = torch.cat([v.to(dev, torch.float64) for v, _ in parts]).tolist() if parts else []
+        flat = torch.cat([v.to(dev, torch.float64) for v, _ in parts]).tolist()
         out, i = [], 0
         for v, build in parts: out.append(build(flat[i:i + v.numel()])); i += v.numel()
         return out

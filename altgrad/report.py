@@ -22,7 +22,7 @@ __all__ = ['SMOOTH_WINDOW', 'HEATMAP_PERCENTILE', 'AVG_STEPS', 'FIG_DPI', 'LAYER
            'divergence_steps', 'verdict', 'train_loss_avg', 'progress_lost', 'layer_counts', 'run_summary', 'fmt_num',
            'precision_note', 'layer_group', 'has_mechanism', 'layer_groups', 'mechanism_table', 'regime_of',
            'mechanism_rule', 'plot_mechanism', 'ratio_histograms', 'share_below_half', 'plot_ratio_histograms',
-           'mechanism_section', 'device_line', 'write_report']
+           'mechanism_section', 'rel_path', 'device_line', 'write_report']
 
 # %% ../nbs/30_report.ipynb #855c193a
 SMOOTH_WINDOW = 25   # steps of the running mean drawn over the training loss
@@ -535,7 +535,7 @@ def mechanism_section(run: Run, fig_dir) -> list[str]:
 # %% ../nbs/30_report.ipynb #14932c9a
 REPORT_INPUTS = "report_inputs.json"
 
-def _rel(path, start) -> str | None:
+def rel_path(path, start) -> str | None:
     "`path` relative to `start` (reports stay valid when the folder moves); as given where no relative path exists."
     if not path: return None
     try: return Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())).as_posix()
@@ -650,7 +650,7 @@ def _failure_lines(run: Run, out: Path) -> list[str]:
                 f"- **Global gradient norm just before:** {fmt_num(fa['grad_norm_before'])}",
                 "- **Highest overflow rates just before:** " + (", ".join(f"{k[9:]} {fmt_num(v, '.3g')}" for k, v in fa["top_overflow"]) or "none logged"),
                 "- **Largest gradient L∞ norms just before:** " + (", ".join(f"{k[15:]} {fmt_num(v, '.3g')}" for k, v in fa["top_grad_norm"]) or "none logged"),
-                f"- **Failure checkpoint:** {_rel(fa['checkpoint'], out) or 'none saved'}", ""]
+                f"- **Failure checkpoint:** {rel_path(fa['checkpoint'], out) or 'none saved'}", ""]
 
 def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setup: dict | None = None,
                  unigram: float | None = None) -> Path:
@@ -670,6 +670,6 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
           "(final step); INVESTIGATE = anything else.", ""]
     p = out / "report.md"; p.write_text("\n".join(L))
     (out / "summary.json").write_text(json.dumps(S, indent=1, default=str))
-    inputs = dict(run=_rel(run_dir, out), ref=_rel(ref_dir, out), unigram=unigram, title=title, extra_setup=extra_setup or {})
+    inputs = dict(run=rel_path(run_dir, out), ref=rel_path(ref_dir, out), unigram=unigram, title=title, extra_setup=extra_setup or {})
     (out / REPORT_INPUTS).write_text(json.dumps(inputs, indent=1, default=str) + "\n")
     return p

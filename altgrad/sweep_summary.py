@@ -14,7 +14,7 @@ from .data import unigram_baseline
 from .matrix import write_matrix
 from .model import GPT, GPTConfig
 from .quantized import quantize_model, quantize_model_from_config, quantized_layers
-from .report import FIG_DPI, REPORT_INPUTS, _rel, fmt_num, legend, run_summary, write_report
+from .report import FIG_DPI, REPORT_INPUTS, fmt_num, legend, rel_path, run_summary, write_report
 from .runs import (Run, current_keys, find_matrices, find_sweeps, find_writeups, has_run, is_writeup, load_run,
                           load_runs, read_config, read_json, read_yaml, reuse_marker)
 from .tracking import METRICS_JSONL, compact_metrics
@@ -204,7 +204,7 @@ def report_inputs(out_dir) -> dict:
     if isinstance(inp, dict): return inp
     ref = _match_reference(out)
     m = re.match(r"^(\w+)-s\d+-n\d+$", ref.name) if ref else None
-    return dict(run="run", ref=_rel(ref, out) if ref else None, unigram=None, title=None,
+    return dict(run="run", ref=rel_path(ref, out) if ref else None, unigram=None, title=None,
                 extra_setup={"preset": m.group(1)} if m else {}, inferred=True)
 
 def regenerate_report(out_dir, unigram: float | None = None) -> Path:

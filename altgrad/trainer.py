@@ -560,6 +560,7 @@ def _summary(self: Trainer, reason, start_step: int, seconds: float, perf: list)
         tokens_per_sec=self.tokens_per_step / statistics.median(st) if st else None,
         shadow_time=statistics.median(p[1] for p in perf) if perf and self.shadow is not None else None,
         device=self.device, autocast=str(self.amp_dtype).replace("torch.", "") if self.amp_dtype else None,
+        compiled=self.compiled,                             # which step ran: `compile` resolved ('auto': by device)
         **device_info(self.device),
         world_size=self.world, global_batch=self.global_batch,
         fmt=cfg.fmt, num_params=self.model.num_params(),
