@@ -670,6 +670,7 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
           "(final step); INVESTIGATE = anything else.", ""]
     p = out / "report.md"; p.write_text("\n".join(L))
     (out / "summary.json").write_text(json.dumps(S, indent=1, default=str))
-    inputs = dict(run=rel_path(run_dir, out), ref=rel_path(ref_dir, out), unigram=unigram, title=title, extra_setup=extra_setup or {})
+    inputs = dict(run=rel_path(run_dir, out), ref=rel_path(ref_dir, out), unigram=unigram, title=title,
+                  extra_setup=extra_setup or {})
     (out / REPORT_INPUTS).write_text(json.dumps(inputs, indent=1, default=str) + "\n")
     return p
