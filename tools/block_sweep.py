@@ -16,13 +16,18 @@ BASELINES = ("E4M3", "E2M1")
 HEAD = ("run", "elements × block, scale", "final val loss", "ratio to reference", "quantized-layer cosine",
         "SQNR W / A / G (dB)", "scale clamped (max over W, A, G)", "saturated elements (W / A / G)",
         "flushed to 0 (W / A / G)", "verdict")
-NOTE = """Block figures are means over the steps and the 8 linear layers (`block_metrics`): SQNR of each operand, the
-share of blocks holding a non-zero element whose scale sits at its format's bottom or top code, the share of elements
-that saturate at the element format's largest value, and of non-zero elements flushed to zero. The saturation is the
-recipes' own. Under OCP's FLOOR scale rounding a block's largest element lands in [2^emax, 2^(emax+1)) after scaling,
-partly above the element format's largest value (E2M1: [4, 8) against 6; E4M3: [256, 512) against 448). NVFP4's UE4M3
-block scale rounds amax/6 to nearest, so it can fall below it. NVFP4's clamped scales sit at UE4M3's smallest normal,
-2^-6 times the tensor scale: blocks whose largest element is below the tensor's largest / (448 × 2^6)."""
+NOTE = """Block figures are means over the steps and the 8 linear layers (`block_metrics`): SQNR of W and A as the
+forward GEMM blocks them (along K) and of G as the input-gradient GEMM blocks it (along N) -- the other three
+quantizations (W along N; G and A along M for the weight gradient) are not measured; the share of blocks holding a
+non-zero element whose scale sits at its format's bottom or top code, the share of elements whose scaled value exceeds
+the element format's largest value (stored as that value), and of non-zero elements flushed to zero. The saturation is
+the recipes' own, and the column does not rank their clipping error. Under OCP's FLOOR scale rounding a block's largest
+element lands in [2^emax, 2^(emax+1)) after scaling, partly above the element format's largest value (E2M1: [4, 8)
+against 6; E4M3: [256, 512) against 448): values up to just below 8 (512) are clipped to 6 (448). NVFP4's UE4M3 block
+scale rounds amax/6 to nearest, so a block's largest element scales to at most 6 x (1 + 1/16) = 6.375, which rounds to 6
+anyway: NVFP4's saturated elements cost nothing beyond ordinary rounding. NVFP4's clamped scales sit at UE4M3's
+smallest normal, 2^-6 times the tensor scale: blocks whose largest element is below the tensor's largest / (448 × 2^6)
+(the count also takes blocks whose scale rounds to that code, so it is slightly high)."""
 
 
 def num(v, f=".4g"): return "—" if v is None else format(v, f)
