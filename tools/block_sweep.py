@@ -1,6 +1,6 @@
 """block_sweep.py -- a short sweep of the block recipes with FP32 master weights: outputs/blocks/summary.md.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python tools/block_sweep.py --runs /tmp/block_sweep --data DATA --steps 100
+    PYTHONPATH=. OMP_NUM_THREADS=1 python tools/block_sweep.py --runs runs/block_sweep --data DATA --steps 100
 
 Trains the high-precision reference, the tensor-wise E4M3 and E2M1 runs for comparison, and each block recipe (smoke
 preset, one seed) through the `sweep.format_config` / `sweep.train` path that `run_format` uses. Writes only the table
