@@ -28,12 +28,23 @@ def _as_linear(q: nn.Module) -> nn.Linear:
     if b is not None: lin.bias = b if isinstance(b, nn.Parameter) else nn.Parameter(b.detach().clone())
     return lin
 
+def _check_no_twins(model: nn.Module, types: tuple[type, ...]):
+    "A module whose class has the name of a type in `types` but is another class (a second copy) would stay quantized."
+    want = {t.__name__: t for t in types}
+    for n, m in model.named_modules():
+        t = want.get(type(m).__name__)
+        if t is not None and not isinstance(m, t):
+            raise TypeError(f"{n!r} is a {type(m).__module__}.{type(m).__qualname__}, another class than the "
+                            f"{t.__module__}.{t.__qualname__} the FP32 shadow replaces (two copies of the class, e.g. "
+                            "one redefined in a notebook): build the model with the library's classes")
+
 def plain_fp32_copy(model: nn.Module, types: tuple[type, ...] | None = None) -> tuple[nn.Module, dict[str, str]]:
     "(FP32 deep copy of `model` with modules of `types` replaced by `nn.Linear`, {copy param name: model param name})."
     types = quantized_types() if types is None else tuple(types)
     shadow = copy.deepcopy(model)
     id2name = {id(p): n for n, p in shadow.named_parameters()}
     swap = [(n, m) for n, m in shadow.named_modules() if types and isinstance(m, types)]   # collect, then modify
+    _check_no_twins(shadow, types)
     for name, m in swap:
         parent, _, attr = name.rpartition(".")
         setattr(shadow.get_submodule(parent) if parent else shadow, attr, _as_linear(m))
