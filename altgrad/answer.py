@@ -13,8 +13,8 @@ from .report import fmt_num
 from .runs import load_run, run_finished, final_loss
 from .stats import finite, mean_of, mean_ci, paired_benefit, recovered_fraction, t_crit, paired_test, holm, min_detectable_effect
 from .law import law_text, law_fit, format_correlation
-from .study import (DECISIVE_RULES, RETIRED_DESIGN_COMMIT, CONTROL, UPPER, REF_PRECISIONS, SEED_EXPECTATIONS, INPUTS_FILE,
-                           ANALYSIS_RULES, StudyPlan, RunSpec, format_spec, run_dir, mult_label, model_inputs, json_safe, join_names,
+from .study import (DECISIVE_RULES, RETIRED_DESIGN_COMMIT, CONTROL, UPPER, REF_PRECISIONS, REQUIRED_EXPECTATIONS, INPUTS_FILE,
+                           ANALYSIS_SETTINGS, StudyPlan, RunSpec, format_spec, run_dir, mult_label, model_inputs, json_safe, join_names,
                            Protocol, bracket_grids, decisive_lr_specs, decisive_seed_specs, decisive_choice)
 
 # %% auto #0
@@ -50,7 +50,7 @@ def mechanism_of(run) -> dict:
 
 def run_record(spec: RunSpec, run) -> dict:
     "The numbers of one run for `study.json` (`missing: True` when its folder is not there or incomplete)."
-    rec = dict(name=spec.name, dir=f"runs/{spec.name}", phase=spec.phase, seed=spec.seed, fmt=spec.fmt, rule=spec.rule,
+    rec = dict(name=spec.name, dir=f"runs/{spec.name}", phase=spec.phase, seed=spec.seed, fmt=spec.fmt, rule=spec.rule or spec.precision,
                lr_mult=spec.lr_mult, kind="reference" if spec.fmt is None else "format")
     if run is None: return {**rec, "missing": True}
     s, cfg = run.summary, run.config
@@ -142,7 +142,7 @@ def law_points(plan: StudyPlan, proto, recs: dict, grids: dict) -> dict:
     return pts
 
 def decisive_expectations(st: dict, expectations) -> list[str]:
-    "The seeds' expectations checked with paired tests on the held-out seeds."
+    "The requirements' expectations checked with paired tests on the held-out seeds."
     out = []
     for e in expectations:
         f, claim = e["fmt"], e["claim"]
@@ -160,8 +160,8 @@ def _expect_fails_paired(st: dict, f: str) -> str:
         nf = len(c["failed"]); ok = nf == c["n_seeds"] or (ex.get("lo") is not None and ex["lo"] > 0)
         fails.append(ok)
         parts.append(f"{rule_label(r)}: {nf} of {c['n_seeds']} runs stopped at a NaN, final loss − unigram {pm(ex, '.3f')} ({ci_text(ex)})")
-    head = (f"As the seeds expected, {f} fails outright" if all(fails) else f"{f} fails outright under one regime only" if any(fails)
-            else f"Contrary to the seeds' expectation, {f} does not fail outright")
+    head = (f"As the requirements expected, {f} fails outright" if all(fails) else f"{f} fails outright under one regime only" if any(fails)
+            else f"Contrary to the requirements' expectation, {f} does not fail outright")
     crit = "(failing outright: every run stops at a NaN, or the final loss is resolved above the unigram baseline)"
     return f"{head} {crit}: " + "; ".join(parts) + "."
 
@@ -170,17 +170,17 @@ def _expect_best_paired(st: dict, f: str) -> str:
     parts, verdicts = [], []
     for r in (UPPER, CONTROL):
         rows = [(k, v) for k, v in st["format_pairs"][r].items() if f in (v["a"], v["b"])]
-        worse = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_RULES["alpha"]
+        worse = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_SETTINGS["alpha"]
                  and ((v["mean"] > 0) == (v["b"] == f))]
-        better = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_RULES["alpha"]
+        better = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_SETTINGS["alpha"]
                   and ((v["mean"] > 0) != (v["b"] == f))]
         n = len(rows)
         verdicts.append("contra" if better else "agree" if len(worse) == n else "open")
         parts.append(f"{rule_label(r)}: resolved better than {len(worse)} of {n} formats"
-                     + (f", resolved worse than {', '.join(better)}" if better else "") + f" (paired, Holm-adjusted p < {ANALYSIS_RULES['alpha']})")
-    head = (f"The data contradicts the seeds' expectation that {f} is best" if "contra" in verdicts else
-            f"The data confirms the seeds' expectation that {f} is best" if set(verdicts) == {"agree"} else
-            f"The data neither confirms nor contradicts the seeds' expectation that {f} is best")
+                     + (f", resolved worse than {', '.join(better)}" if better else "") + f" (paired, Holm-adjusted p < {ANALYSIS_SETTINGS['alpha']})")
+    head = (f"The data contradicts the requirements' expectation that {f} is best" if "contra" in verdicts else
+            f"The data confirms the requirements' expectation that {f} is best" if set(verdicts) == {"agree"} else
+            f"The data neither confirms nor contradicts the requirements' expectation that {f} is best")
     return head + ": " + "; ".join(parts) + "."
 
 # %% ../nbs/35_answer.ipynb #35h8ff1c
@@ -216,7 +216,7 @@ def decisive_mde(plan: StudyPlan, cells: dict, pairs: dict, n: int) -> dict:
     m tests (its first step: alpha 0.05/m). Families: the grid rules' benefits over nearest, and the format pairs."""
     sd_b = [cells[f][r]["benefit"]["sd"] for f, r in grid_family(plan) if cells[f][r]["benefit"].get("sd")]
     sd_f = [v["sd"] for fam in pairs.values() for v in fam.values() if v.get("sd")]
-    m_b, (alpha, power) = len(grid_family(plan)), (ANALYSIS_RULES["alpha"], ANALYSIS_RULES["power"])
+    m_b, (alpha, power) = len(grid_family(plan)), (ANALYSIS_SETTINGS["alpha"], ANALYSIS_SETTINGS["power"])
     m_f = len(plan.formats) * (len(plan.formats) - 1) // 2
     def one(sds, m):
         if not sds or n < 2: return dict(sd=None, mde=None, m=m, mde_family=None)
@@ -236,7 +236,7 @@ def headline_record(cells: dict, head, grid_cells: list, m: int) -> dict | None:
     planned number of cells (the same m as the family-wise detectable effect; a cell without runs still counts)."""
     if head is None: return None
     b = cells[head[0]][head[1]]["benefit"]
-    alpha = ANALYSIS_RULES["alpha"]
+    alpha = ANALYSIS_SETTINGS["alpha"]
     sim = dict(conf=1 - alpha / m, lo=None, hi=None)
     if b.get("sd") is not None and b.get("n", 0) >= 2:
         h = t_crit(b["n"] - 1, 1 - alpha / m) * b["sd"] / math.sqrt(b["n"])
@@ -262,7 +262,7 @@ def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: di
     head = max(grid_cells, key=lambda fr: cells[fr[0]][fr[1]]["benefit"]["mean"]) if grid_cells else None
     vocab = next((runs[s.name].summary.get("vocab") for s in held + tune if runs.get(s.name) is not None
                   and runs[s.name].summary.get("vocab")), None)
-    refs = {p: mean_ci(_losses(recs, [s for s in held if s.fmt is None and s.rule == p]).values(), conf) for p in REF_PRECISIONS} if done else {}
+    refs = {p: mean_ci(_losses(recs, [s for s in held if s.fmt is None and s.precision == p]).values(), conf) for p in REF_PRECISIONS} if done else {}
     split = next((runs[s.name].summary.get("compute_split") for s in held + tune if s.fmt and runs.get(s.name) is not None
                   and runs[s.name].summary.get("compute_split")), None)     # the same model in every 8-bit run
     seconds = {ph: math.fsum(x.get("seconds") or 0.0 for x in recs.values() if x["phase"] == ph) for ph in ("lr", "seeds")}
@@ -310,7 +310,7 @@ def decisive_paragraph(st: dict) -> str:
     f, r = h["fmt"], h["rule"]; b = st["cells"][f][r]["benefit"]; mde = st["mde"]["benefit"]
     resolved = f"{f}/{r}" in h.get("resolved", [])              # Holm's p < alpha and a positive mean (`headline_record`)
     sim = h.get("simultaneous") or {}
-    simtext = (f"; {sim['lo']:.3f} to {sim['hi']:.3f} as a simultaneous {1 - ANALYSIS_RULES['alpha']:.0%} interval over all {h['m']} format × rule cells "
+    simtext = (f"; {sim['lo']:.3f} to {sim['hi']:.3f} as a simultaneous {1 - ANALYSIS_SETTINGS['alpha']:.0%} interval over all {h['m']} format × rule cells "
                f"(Bonferroni, each at {sim['conf']:.2%})"
                if sim.get("lo") is not None else "")
     others = [c for c in h.get("resolved", []) if c != f"{f}/{r}"]
@@ -441,7 +441,7 @@ def decisive_protocol_section(st: dict, inputs: dict) -> list[str]:
             "- **NaN policy**: a run stops at its first non-finite loss and counts as failed (left out of means, listed)."] + _protocol_extras(st, inputs)
 
 def _protocol_extras(st: dict, inputs: dict) -> list[str]:
-    "The vocabulary, the analysis rules fixed in the study's inputs, and the default regimes this study did not run."
+    "The vocabulary, the analysis settings fixed in the study's inputs, and the default regimes this study did not run."
     v = inputs.get("vocab") or st.get("vocab") or {}
     cov = (v.get("coverage") or {}).get("val")
     L = [f"- **Vocabulary**: {v['name']}" + (f", {v['size']:,} classes" if v.get("size") else "")
@@ -457,12 +457,12 @@ def write_decisive_answer(out, st: dict, inputs: dict) -> Path:
     "Write `out/answer.md` and `out/study.json` of a decisive study from `decisive_analyze`'s result."
     out = Path(out)
     st = dict(st, answer=decisive_paragraph(st),
-              expectations=decisive_expectations(st, inputs.get("expectations", SEED_EXPECTATIONS)) if st["complete"] else [])
+              expectations=decisive_expectations(st, inputs.get("expectations", REQUIRED_EXPECTATIONS)) if st["complete"] else [])
     L = ["# Which 8-bit format benefits most from grid-aware updates, and why", ""]
     if st["protocol"].get("sensitivity"): L += [f"*Sensitivity run: {st['protocol']['sensitivity']}. Not the protocol's answer.*", ""]
     L += [st["answer"], ""]
     if st["complete"]:
-        L += ["## The seeds' expectations (paired tests)", ""] + [f"- {x}" for x in st["expectations"]] + [""]
+        L += ["## The requirements' expectations (paired tests)", ""] + [f"- {x}" for x in st["expectations"]] + [""]
         st["figures"] = dict(law=save_figure(plot_law(st), out / "figures" / "law.png"))
         L += decisive_results_section(st) + pairs_section(st) + law_section(st) + ["", f"![law]({st['figures']['law']})", "",
               "Each regime's difference to nearest against nearest's predicted stall, one point per format × multiplier (tuning "

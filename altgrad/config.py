@@ -274,11 +274,11 @@ def _validate(cfg: TrainConfig):
         errors.append(f"device={cfg.device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
     for key in ("fmt", "fmt_backward"):
         if getattr(cfg, key) is not None and (msg := _check_format(key, getattr(cfg, key))): errors.append(msg)
-    for i, rule in enumerate(cfg.layer_formats):
-        if not (isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str) and rule[0]):
-            errors.append(f"layer_formats[{i}]={rule!r} must be a [pattern, format-or-None] pair with a non-empty pattern"); continue
-        if isinstance(rule[1], str) and rule[1].strip().lower() in _NONE_WORDS: rule[1] = None
-        if rule[1] is not None and (msg := _check_format(f"layer_formats[{i}] format", rule[1])): errors.append(msg)
+    for i, entry in enumerate(cfg.layer_formats):
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]):
+            errors.append(f"layer_formats[{i}]={entry!r} must be a [pattern, format-or-None] pair with a non-empty pattern"); continue
+        if isinstance(entry[1], str) and entry[1].strip().lower() in _NONE_WORDS: entry[1] = None
+        if entry[1] is not None and (msg := _check_format(f"layer_formats[{i}] format", entry[1])): errors.append(msg)
     if not all(isinstance(t, str) for t in cfg.wandb_tags): errors.append(f"wandb_tags must be a list of strings, got {cfg.wandb_tags!r}")
     if errors: raise ConfigError("invalid config: " + "; ".join(errors))
 

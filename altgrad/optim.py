@@ -175,7 +175,7 @@ def multiplicative_shrink(lr: float, wd: float) -> float:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    "A base rule in `OPTIMIZERS`: `make(params, lr, weight_decay, betas, device_type, grid, **kwargs)` builds it."
+    "A base optimizer in `OPTIMIZERS`: `make(params, lr, weight_decay, betas, device_type, grid, **kwargs)` builds it."
     name: str
     make: Callable[..., torch.optim.Optimizer]
     lr_scale: float = 1.0         # recommended lr relative to the preset's AdamW lr (`default_lr_scale`)
@@ -185,7 +185,7 @@ class OptimizerSpec:
     decay_shrink: Callable[[float, float], float] = decoupled_shrink   # (group lr, group λ) -> c: one step's decay gives (1 - c) w
     intended: Callable | None = None      # (optimizer) -> {weight: the update it meant before landing on the grid itself}
     absorb_error: Callable | None = None  # (optimizer, weight, landing error) -> None: folds the error into its state (ECO)
-    baseline: bool = False        # the reference base rule: regimes of other optimizers are compared with its regime at the same landing
+    baseline: bool = False        # the reference base optimizer: regimes of other optimizers are compared with its regime at the same landing
     lands_own: str | None = None  # puts some weights on the grid itself (see `intended`): in words, for write-ups (None: never)
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {}
@@ -197,7 +197,7 @@ def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
     return spec
 
 def get_optimizer(name: str) -> OptimizerSpec:
-    "The registered base rule `name`; unknown names raise ValueError listing the valid ones."
+    "The registered base optimizer `name`; unknown names raise ValueError listing the valid ones."
     if name not in OPTIMIZERS: raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
     return OPTIMIZERS[name]
 

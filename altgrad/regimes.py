@@ -45,12 +45,12 @@ class UpdateRule:
 
     @property
     def landing_spec(self) -> Landing:
-        "Its landing rule's registry entry (`grid.LANDINGS`): what the landing can do (stochastic, residual, momentum)."
+        "Its landing's registry entry (`grid.LANDINGS`): what the landing can do (stochastic, residual, momentum)."
         return get_landing(self.landing)
 
     @property
     def optimizer_spec(self) -> OptimizerSpec:
-        "Its optimizer's registry entry (`optim.OPTIMIZERS`): what the base rule can do (baseline, lands_own, absorb_error...)."
+        "Its optimizer's registry entry (`optim.OPTIMIZERS`): what the optimizer can do (baseline, lands_own, absorb_error...)."
         return get_optimizer(self.optimizer)
 
     def overrides(self) -> dict:

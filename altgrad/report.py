@@ -334,7 +334,7 @@ def fmt_num(v, spec: str = ".4g") -> str:
 
 # %% ../nbs/30_report.ipynb #bb88be59
 def _carries_residual(landing) -> bool:
-    "Does the landing rule `landing` carry a residual to the next step (`grid.Landing.residual`; unknown names: no)?"
+    "Does the landing `landing` carry a residual to the next step (`grid.Landing.residual`; unknown names: no)?"
     return bool(landing in LANDINGS and LANDINGS[landing].residual)
 
 def _residual_text(cfg: dict) -> str:
@@ -360,7 +360,7 @@ def precision_note(run: Run) -> str:
          f"({rnd}) to {fmts} with " + (block_scaling_text(run.fmt)
                                        or f"per-{cfg.get('granularity') or 'tensor'} {cfg.get('scaling') or 'delayed'} scaling.")]
     if n and q < n: L.append(("The other linear layer stays" if n - q == 1 else f"The other {n - q} linear layers stay")
-                             + f" in high precision (precision rules: {layer_formats_of(cfg) or 'none'}).")
+                             + f" in high precision (layer_formats: {layer_formats_of(cfg) or 'none'}).")
     not8 = ["the attention products QKᵀ and AV", "the tied token embedding / LM head", "the position embedding", "biases",
             "LayerNorm", "GELU", "softmax",
             "the residual stream", f"the optimizer state ({cfg.get('optimizer', 'adamw')})"]
@@ -368,7 +368,7 @@ def precision_note(run: Run) -> str:
     if cfg.get("master_weights", "fp32") == "format":
         wu = cfg.get("weight_update", "nearest")
         L.append(f"**Weights:** stored on the {run.fmt} grid after every optimizer step (`master_weights=format`; "
-                 f"update rule `weight_update={wu}`): " + (
+                 f"landing `weight_update={wu}`): " + (
                      f"what rounding drops is carried to the next step in a per-weight residual ({_residual_text(cfg)})."
                      if _carries_residual(wu) else "updates the grid cannot hold are lost."))
     else:
@@ -427,7 +427,7 @@ def regime_of(cfg: dict):
     except ValueError: return None
 
 def mechanism_rule(run: Run) -> str:
-    "One sentence naming how the weights were updated: landing rule, base optimizer, learning-rate scale, kahan residual."
+    "One sentence naming how the weights were updated: landing, base optimizer, learning-rate scale, kahan residual."
     cfg = run.config
     opt = cfg.get("optimizer") or "adamw"
     regime = regime_of(cfg)
@@ -562,9 +562,9 @@ def _setup_lines(run: Run, ref: Run | None, extra_setup: dict | None) -> list[st
     "The report's title-less 'Setup' section: the setup table and what is 8-bit."
     cfg, name = run.config, run.fmt or "reference"
     mw = cfg.get("master_weights", "fp32")
-    setup = dict(format=name, backward_format=cfg.get("fmt_backward") or name, rules=layer_formats_of(cfg) or "uniform",
+    setup = dict(format=name, backward_format=cfg.get("fmt_backward") or name, layer_formats=layer_formats_of(cfg) or "uniform",
                  scaling=f"{cfg.get('scaling')} / {cfg.get('granularity')}", rounding=cfg.get("rounding", "nearest"),
-                 master_weights=mw + (f" (update rule: {cfg.get('weight_update', 'nearest')})" if mw == "format" else ""),
+                 master_weights=mw + (f" (landing: {cfg.get('weight_update', 'nearest')})" if mw == "format" else ""),
                  optimizer=cfg.get("optimizer", "adamw"),
                  interventions=cfg.get("interventions"), steps=cfg.get("max_steps"), seed=cfg.get("seed"),
                  model=f"{cfg.get('n_layer')} layers × {cfg.get('n_embd')} wide, block {cfg.get('block_size')}, batch {cfg.get('batch_size')}",

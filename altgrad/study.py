@@ -23,16 +23,16 @@ from .runs import check_run, same_config, load_run
 from .sweep import portable, resolve_preset
 
 # %% auto #0
-__all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER', 'REF_PRECISIONS', 'SEED_EXPECTATIONS',
-           'STUDY_KEYS', 'STUDY_DEFAULTS', 'INPUTS_FILE', 'RETIRED_DESIGN_COMMIT', 'DECISIVE_RULES', 'ANALYSIS_RULES',
-           'TUNING_SEEDS', 'HELDOUT_SEEDS', 'CHOICE_RULE', 'RUN_OVERHEAD_SECONDS', 'mult_label', 'parse_mults',
-           'lr_scale_for', 'distinct_formats', 'normalize_rules', 'StudyPlan', 'study_defaults', 'make_plan', 'RunSpec',
-           'reference_spec', 'format_spec', 'parse_shard', 'run_dir', 'spec_config', 'resumable', 'finalize_run',
-           'train_spec', 'claim_run', 'execute', 'collect_runs', 'json_safe', 'join_names', 'model_inputs',
-           'vocab_inputs', 'Protocol', 'make_protocol', 'decisive_plan', 'tuning_specs', 'choose_bracketed',
-           'bracket_grid', 'bracket_grids', 'decisive_lr_specs', 'decisive_seed_specs', 'decisive_choice', 'name_shard',
-           'check_inputs', 'write_decisive_inputs', 'decisive_command', 'decisive_estimate', 'estimate_text',
-           'measure_step_seconds', 'parse_step_seconds']
+__all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER', 'REF_PRECISIONS', 'REQUIRED_EXPECTATIONS',
+           'STUDY_KEYS', 'STUDY_DEFAULTS', 'INPUTS_FILE', 'RETIRED_DESIGN_COMMIT', 'DECISIVE_RULES',
+           'ANALYSIS_SETTINGS', 'TUNING_SEEDS', 'HELDOUT_SEEDS', 'CHOICE_RULE', 'RUN_OVERHEAD_SECONDS', 'mult_label',
+           'parse_mults', 'lr_scale_for', 'distinct_formats', 'normalize_rules', 'StudyPlan', 'study_defaults',
+           'make_plan', 'RunSpec', 'reference_spec', 'format_spec', 'parse_shard', 'run_dir', 'spec_config',
+           'resumable', 'finalize_run', 'train_spec', 'claim_run', 'execute', 'collect_runs', 'json_safe', 'join_names',
+           'model_inputs', 'vocab_inputs', 'Protocol', 'make_protocol', 'decisive_plan', 'tuning_specs',
+           'choose_bracketed', 'bracket_grid', 'bracket_grids', 'decisive_lr_specs', 'decisive_seed_specs',
+           'decisive_choice', 'name_shard', 'check_inputs', 'write_decisive_inputs', 'decisive_command',
+           'decisive_estimate', 'estimate_text', 'measure_step_seconds', 'parse_step_seconds']
 
 # %% ../nbs/32_study.ipynb #32a00005
 DISTINCT_FORMATS = ("E0M7", "E2M5", "E3M4", "E4M3", "E5M2", "E6M1", "E7M0")
@@ -40,7 +40,7 @@ DEFAULT_SEEDS = (42, 43, 44)
 STUDY_RULES = ("fp32", "nearest", "stochastic", "kahan", "madam", "lion")     # registry names: the default selection
 CONTROL, UPPER = "nearest", "fp32"          # every benefit is measured against CONTROL; UPPER keeps the weights off the grid
 REF_PRECISIONS = ("fp32", "bf16")
-SEED_EXPECTATIONS = tuple(research_choices()["expectations"])     # the seeds' hypotheses (altgrad/research.yaml)
+REQUIRED_EXPECTATIONS = tuple(research_choices()["expectations"])     # the requirements' hypotheses (altgrad/research.yaml)
 STUDY_KEYS = ("fmt", "fmt_backward", "layer_formats", "regime", "master_weights", "weight_update", "optimizer", "lr_scale",
               "residual_dtype", "max_steps", "seed", "shadow", "precision", "stop_on_nan", "interventions", "out_dir",
               "data_dir", "resume", "checkpoint_interval", "wandb_mode")
@@ -162,18 +162,19 @@ def make_plan(preset: str = "cpu", formats=None, rules=None, seeds=None, steps: 
 # %% ../nbs/32_study.ipynb #32a00010
 @dataclass(frozen=True)
 class RunSpec:
-    "One run of the matrix: `fmt=None` for a reference (then `rule` is its precision, 'fp32' or 'bf16')."
+    "One run of the matrix: an 8-bit run (`fmt`, its regime `rule`) or a reference (`fmt=None`, its `precision`: 'fp32' or 'bf16')."
     name: str
     phase: str
     seed: int
     fmt: str | None = None
     rule: str | None = None
     lr_mult: float | None = None
+    precision: str | None = None
 
 def reference_spec(seed: int, precision: str, mult: float = 1.0, phase: str = "lr") -> RunSpec:
     "A high-precision reference (`ref-<precision>-s<seed>` at ×1, `ref-<precision>-x<mult>-s<seed>` otherwise)."
     tag = "" if mult == 1.0 else f"-x{mult_label(mult)}"
-    return RunSpec(f"ref-{precision}{tag}-s{seed}", phase, seed, None, precision, mult)
+    return RunSpec(f"ref-{precision}{tag}-s{seed}", phase, seed, None, None, mult, precision)
 
 def format_spec(fmt: str, rule: str, seed: int, mult: float, phase: str = "seeds") -> RunSpec:
     "An 8-bit run: `<fmt>-<rule>-x<mult>-s<seed>`."
@@ -195,7 +196,7 @@ def spec_config(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: 
                   wandb_mode=wandb_mode, checkpoint_interval=plan.steps, layer_formats=[], interventions=False, stop_on_nan=True,
                   **plan.overrides)
     if spec.fmt is None:
-        return load_config(plan.preset, fmt=None, shadow=False, precision=spec.rule, lr_scale=lr_scale_for(UPPER, spec.lr_mult or 1.0), **common)
+        return load_config(plan.preset, fmt=None, shadow=False, precision=spec.precision, lr_scale=lr_scale_for(UPPER, spec.lr_mult or 1.0), **common)
     regime = {k: v for k, v in get_rule(spec.rule).overrides().items() if k != "lr_scale"}
     return load_config(plan.preset, fmt=spec.fmt, shadow=plan.shadow, lr_scale=lr_scale_for(spec.rule, spec.lr_mult), **regime, **common)
 
@@ -358,7 +359,7 @@ def vocab_inputs(plan: StudyPlan, data) -> dict:
 
 # %% ../nbs/32_study.ipynb #32h851db
 DECISIVE_RULES = ("fp32", "nearest", "stochastic", "kahan", "madam")
-ANALYSIS_RULES = dict(    # how the answer reads the held-out runs; written into the study's inputs before the seed phase
+ANALYSIS_SETTINGS = dict(    # how the answer reads the held-out runs; written into the study's inputs before the seed phase
     headline="the format × grid-aware rule cell with the largest mean held-out benefit over nearest (one of m cells): its 95% "
              "t-interval, a simultaneous (Bonferroni, 1 − 0.05/m) interval, and Holm's p over the m cells; it is 'resolved' "
              "only when Holm's p < 0.05",
@@ -479,8 +480,8 @@ def write_decisive_inputs(out, plan: StudyPlan, proto: Protocol, data, data_dir,
     A learning-rate choice, once written, is kept (a shard that has not seen it yet passes None) and never replaced by
     a different one: every process derives it from the same finished tuning runs, so a difference is an error."""
     inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), **vocab_inputs(plan, data), lr_choice=json_safe(choice),
-                  analysis=ANALYSIS_RULES, out=portable(out), command=decisive_command(plan, proto, portable(out), data_dir),
-                  **model_inputs(plan), expectations=list(SEED_EXPECTATIONS), step_seconds=step_seconds)
+                  analysis=ANALYSIS_SETTINGS, out=portable(out), command=decisive_command(plan, proto, portable(out), data_dir),
+                  **model_inputs(plan), expectations=list(REQUIRED_EXPECTATIONS), step_seconds=step_seconds)
     check_inputs(out, inputs)
     p = Path(out) / INPUTS_FILE
     with open(Path(out) / ".study_inputs.lock", "w") as lock:     # shards share the folder: read, merge and write as one
@@ -523,7 +524,7 @@ def decisive_estimate(plan: StudyPlan, proto: Protocol, step_seconds: dict, shar
     miss = [k for k in [*plan.rules, *(f"reference_{p}" for p in REF_PRECISIONS)] if k not in step_seconds]
     if miss: raise ConfigError(f"step times missing for {', '.join(miss)}; give them all (e.g. --step-seconds fp32=0.3,...)")
     over = step_seconds.get("overhead", RUN_OVERHEAD_SECONDS)     # measured by `measure_step_seconds`
-    per = lambda s: plan.steps * step_seconds[s.rule if s.fmt else f"reference_{s.rule}"] + over
+    per = lambda s: plan.steps * step_seconds[s.rule if s.fmt else f"reference_{s.precision}"] + over
     ones = {r: 1.0 for r in plan.rules}
     base = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults)] + decisive_seed_specs(plan, proto, ones)
     ext = [s for r in plan.rules for s in tuning_specs(plan, proto, r, [1.0] * proto.max_extensions)]
@@ -550,7 +551,7 @@ def measure_step_seconds(plan: StudyPlan, data_dir: str, steps: int = 8, fmt: st
         for sp in specs:
             Trainer(spec_config(short, sp, tmp, data_dir), progress=False).fit()
             s = load_run(run_dir(tmp, sp.name)).summary
-            out[sp.rule if sp.fmt else f"reference_{sp.rule}"] = s["step_time"]
+            out[sp.rule if sp.fmt else f"reference_{sp.precision}"] = s["step_time"]
             over.append(max(0.0, s["seconds"] - steps * s["step_time"]))
     return {**out, "overhead": float(np.median(over))}
 

@@ -23,7 +23,7 @@ from .pool import JobsInterrupted, Job, run_pool, job_env, runs_on_cpu, one_thre
 from .matrix import write_matrix
 
 # %% auto #0
-__all__ = ['RETRIES', 'SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'WRITEUP_FILES',
+__all__ = ['RETRIES', 'REQUIRED_ORDER', 'POST_LN_LAYER_FORMATS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'WRITEUP_FILES',
            'NOTEBOOK_OVERRIDE_PARAMS', 'resolve_preset', 'run_name', 'reference_overrides', 'reference_dir',
            'ensure_data', 'train', 'RunConflict', 'run_plan', 'job_plan', 'reference_config', 'reference_conflict',
            'reference_run', 'format_config', 'grid_key', 'set_aside', 'reuse_note', 'mark_reused', 'RetryRefused',
@@ -34,7 +34,7 @@ __all__ = ['RETRIES', 'SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'NOT_IN_REFERENCE',
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
 RETRIES = research_choices()["retries"]                     # per-format retry policies (altgrad/research.yaml)
-SEED_ORDER = research_choices()["run_order"]
+REQUIRED_ORDER = research_choices()["run_order"]
 POST_LN_LAYER_FORMATS = RETRIES["E1M6"]["layer_formats"]    # the E1M6 retry's layout (named by tests and tools)
 NOT_IN_REFERENCE = ("fmt", "fmt_backward", "scaling", "granularity", "block_size_q", "amax_history_len", "amax_algo",
                     "master_weights", "quantize_grads", "rounding", "margin", "weight_update", "residual_dtype", "layer_formats",
@@ -330,7 +330,7 @@ def settings_note(cfg, master_weights: str = "fp32", interventions: bool = False
            " (the reference, the standard high-precision run, gets those that change the problem: not the 8-bit keys, not the optimizer)." if ov else "Config overrides: none (preset defaults).")
     nan = ("NaN policy: interventions on, so runs continue through non-finite steps (skipped) until "
            f"{g('nan_patience', 10)} in a row; the NaN-triggered exponent shift needs 3." if interventions else
-           "NaN policy: stop at the first non-finite step (the seeds' failure study).")
+           "NaN policy: stop at the first non-finite step (the requirements' failure study).")
     return "\n\n".join([mw, rule, ovt, nan])
 
 def sweep_setup(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None, interventions: bool = False,
@@ -338,7 +338,7 @@ def sweep_setup(preset: str = "auto", out="outputs", steps: int = 500, seed: int
     "`(out, formats, common, overrides)` of a sweep: its folder made, overrides checked, format names, data prepared, the keywords every run shares."
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     overrides = check_overrides(dict(overrides or {}))
-    formats = [get_format(f).name for f in (formats or SEED_ORDER)]
+    formats = [get_format(f).name for f in (formats or REQUIRED_ORDER)]
     data_dir = ensure_data(data_dir or None, out)
     common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode,
                   master_weights=master_weights, stop_on_nan=not interventions)
@@ -355,7 +355,7 @@ def refuse_conflicts(out, formats, common: dict, overrides: dict) -> None:
 def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None, retry: bool = True,
               interventions: bool = False, data_dir: str = "", wandb_mode: str = "auto", force: bool = False,
               master_weights: str = "fp32", overrides: dict | None = None, jobs: int = 1, pooled=None) -> Path:
-    """Reference, then every format in the seeds' order (with retries); writes `out/summary.md`.
+    """Reference, then every format in the requirements' order (with retries); writes `out/summary.md`.
 
     A run already in `out` is reused when `check_run` allows (same resolved config, complete files) unless `force`, and an
     interrupted run of the same config is resumed, so an interrupted sweep continues where it stopped; a finished or
@@ -462,7 +462,7 @@ def sweep_cli(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="altgrad-sweep", description="Train every 8-bit format and write DIR/summary.md")
     p.add_argument("--preset", default="auto"); p.add_argument("--out", default="outputs")
     p.add_argument("--steps", type=int, default=500); p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--formats", default=",".join(SEED_ORDER)); p.add_argument("--no-retry", action="store_true")
+    p.add_argument("--formats", default=",".join(REQUIRED_ORDER)); p.add_argument("--no-retry", action="store_true")
     p.add_argument("--interventions", action="store_true", help="interventions on (runs then continue through NaN steps)")
     p.add_argument("--data-dir", default=""); p.add_argument("--wandb-mode", default="auto")
     p.add_argument("--force", action="store_true", help="train again runs already in --out (finished, or of another config)")

@@ -114,7 +114,7 @@ def plot_reference(r: Run, unigram: float | None = None):
     legend(ax); fig.tight_layout(); return fig
 
 # %% ../nbs/30b_sweep_summary.ipynb #a5e0c004
-TABLE_HEAD = ("| run | format | precision rules | 8-bit layers | final val loss | ratio to reference | progress lost | "
+TABLE_HEAD = ("| run | format | layer formats | 8-bit layers | final val loss | ratio to reference | progress lost | "
               "quantized-layer cosine | all-parameter cosine | lost update | mean bit-stall | max overflow | failure step | verdict |")
 
 def layout_text(layer_formats) -> str:

@@ -359,10 +359,10 @@ def test_landing_rule(rule):
                         cr = torch.randn(w0.shape, generator=g) * 1e-3 * w0.abs().mean(); cd = cr.to(DEV)
                     gr, gd = gens(400 + step)
                     with compile_mode("never"):
-                        sr = regrid_scale(amax_of(wr + u, gran), sr, fmt, rule=rule)
+                        sr = regrid_scale(amax_of(wr + u, gran), sr, fmt, landing=rule)
                         wr, cr = land(wr, u, fmt, expand_scale(sr, wr, gran), rule, cr, gr)
                     with compile_mode(mode):
-                        sd = regrid_scale(amax_of(wd + u.to(DEV), gran), sd, fmt, rule=rule)
+                        sd = regrid_scale(amax_of(wd + u.to(DEV), gran), sd, fmt, landing=rule)
                         wd, cd = land(wd, u.to(DEV), fmt, expand_scale(sd, wd, gran), rule, cd, gd)
                     tag = f"{rule} {fmt.name} {gran} {mode} step {step}"
                     same_bits(f"regrid {tag}", sd, sr); same_bits(f"w {tag}", wd, wr)

@@ -1,6 +1,6 @@
-"""The seeds' GPU experiment inside one lease of a GPU machine.
+"""The requirements' GPU experiment inside one lease of a GPU machine.
 
-The runs, in the seeds' order: the reference (BF16 autocast on CUDA); every format of `altgrad.sweep.SEED_ORDER` with
+The runs, in the requirements' order: the reference (BF16 autocast on CUDA); every format of `altgrad.sweep.REQUIRED_ORDER` with
 FP32 master weights and the FP32 shadow, less a format grid-equivalent to an earlier one (E0M7 is E1M6's grid scaled by
 2^-1: its run is E1M6's, as `altgrad-sweep` reuses it); then E7M0 and E5M2 with the weights on the grid under nearest,
 stochastic and kahan. Each run is one process of `altgrad.pool.run_pool` (`altgrad.sweep.sweep_job`, the process body of
@@ -22,19 +22,19 @@ from pathlib import Path
 from altgrad.config import load_config
 from altgrad.formats import grid_equivalent
 from altgrad.pool import Job, JobsInterrupted, job_env, run_pool
-from altgrad.sweep import SEED_ORDER, _spec, reference_dir, run_name
+from altgrad.sweep import REQUIRED_ORDER, _spec, reference_dir, run_name
 from altgrad.tracking import compact_run
 
 RULE_FORMATS, RULES = ("E7M0", "E5M2"), ("nearest", "stochastic", "kahan")
 
 
-def distinct_formats(order=SEED_ORDER) -> list:
+def distinct_formats(order=REQUIRED_ORDER) -> list:
     "The formats of `order` less those grid-equivalent to an earlier one (trained once, as the sweep does)."
     return [f for i, f in enumerate(order) if not any(grid_equivalent(f, g) is not None for g in order[:i])]
 
 
 def experiment(preset: str) -> list:
-    "(name, format, master weights, rule) of every run, in the seeds' order."
+    "(name, format, master weights, rule) of every run, in the requirements' order."
     return ([("reference", None, "fp32", None)] + [(f, f, "fp32", None) for f in distinct_formats()]
             + [(run_name(f, r), f, "format", r) for f in RULE_FORMATS for r in RULES])
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--deadline", type=float, default=300, help="seconds from start after which running runs are stopped")
     p.add_argument("--no-start", type=float, default=120, help="start no run this many seconds before the deadline")
     p.add_argument("--grace", type=float, default=60, help="seconds a stopped run has to checkpoint before it is killed")
-    p.add_argument("--only", help="comma-separated run names (default: all, in the seeds' order)")
+    p.add_argument("--only", help="comma-separated run names (default: all, in the requirements' order)")
     a = p.parse_args(argv)
     out, t0 = Path(a.out), time.time()
     out.mkdir(parents=True, exist_ok=True)
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     for name, *_ in runs:
         d = run_dir(out, a.preset, name)
         s = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
-        done = s.get("stopped_reason") not in (None, "interrupted")     # max_steps, or the NaN stop of the seeds' failure study
+        done = s.get("stopped_reason") not in (None, "interrupted")     # max_steps, or the NaN stop of the requirements' failure study
         st = state_of(rcs.get(name))
         if st == "finished" and not done: st = "exited without finishing"
         state[name] = dict(state=st, **{k: s.get(k) for k in ("final_step", "max_steps", "stopped_reason", "final_val_loss", "step_time",
