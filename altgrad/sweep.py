@@ -11,7 +11,7 @@ import yaml
 import torch
 from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides, research_choices
 from .formats import get_format, grid_equivalent, equivalent_formats
-from .block_gemm import canonical_format
+from .block_gemm import canonical_format, is_block_format
 from .data import prepare_eurlex, shared_data_dir, load_meta, unigram_baseline
 from .optim import OPTIMIZERS, default_lr_scale
 from .trainer import Trainer, Interrupted
@@ -28,9 +28,9 @@ __all__ = ['RETRIES', 'REQUIRED_ORDER', 'POST_LN_LAYER_FORMATS', 'NOT_IN_REFEREN
            'ensure_data', 'train', 'RunConflict', 'run_plan', 'job_plan', 'reference_config', 'reference_conflict',
            'reference_run', 'format_config', 'grid_key', 'set_aside', 'reuse_note', 'mark_reused', 'RetryRefused',
            'hot_layers', 'retry_layout', 'find_notebook', 'portable', 'notebook_params', 'run_notebook',
-           'check_overrides', 'settings_note', 'sweep_setup', 'refuse_conflicts', 'run_sweep', 'conflict_message',
-           'grid_rules', 'update_rule_overrides', 'matrix_note', 'sweep_cli', 'train_format', 'pool_plan',
-           'retry_specs', 'sweep_job', 'sweep_on_cpu', 'train_concurrently']
+           'sweep_formats', 'check_overrides', 'settings_note', 'sweep_setup', 'refuse_conflicts', 'run_sweep',
+           'conflict_message', 'grid_rules', 'update_rule_overrides', 'matrix_note', 'sweep_cli', 'train_format',
+           'pool_plan', 'retry_specs', 'sweep_job', 'sweep_on_cpu', 'train_concurrently']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
 RETRIES = research_choices()["retries"]                     # per-format retry policies (altgrad/research.yaml)
@@ -242,7 +242,7 @@ def hot_layers(run_dir, overflow_threshold: float = 0.01, stall_threshold: float
 def retry_layout(fmt: str, run_dir, n_layer: int | None = None, min_8bit: float = 0.5) -> tuple[str, list]:
     "(tag, layer_formats) of the retry of a failed uniform run of `fmt`; `RetryRefused` when under `min_8bit` of the linear layers would stay 8-bit."
     run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
-    fmt = get_format(fmt).name
+    fmt = canonical_format(fmt)
     if fmt in RETRIES: tag, layout = RETRIES[fmt]["tag"], RETRIES[fmt]["layer_formats"]
     else:
         hot = hot_layers(run)
@@ -307,6 +307,20 @@ def run_notebook(fmt: str, out, preset: str = "auto", steps: int | None = None, 
                         progress_bar=progress, cwd=str(Path.cwd()), kernel_name="python3")
     return dest / "report.md"
 
+# %% ../nbs/31_sweep.ipynb #664a8284
+def sweep_formats(names, master_weights: str = "fp32") -> list[str]:
+    "The registered names of a sweep's `names` (element formats or block recipes); ConfigError for a bad one."
+    fmts = []
+    for n in (str(n).strip() for n in names):
+        if not n: continue
+        try: fmts.append(canonical_format(n))
+        except ValueError as e: raise ConfigError(f"--formats: {e}") from None
+    recipes = [f for f in fmts if is_block_format(f)]
+    if recipes and master_weights != "fp32":
+        raise ConfigError(f"--formats {','.join(recipes)} (block recipes) with --master-weights {master_weights}: a block "
+                          "recipe quantizes each GEMM from FP32 master weights; use --master-weights fp32")
+    return fmts
+
 # %% ../nbs/31_sweep.ipynb #387bc5a7
 def check_overrides(overrides: dict) -> dict:
     "Validate sweep config `overrides`: known keys, not one the sweep sets itself (`SWEEP_KEYS`)."
@@ -338,7 +352,7 @@ def sweep_setup(preset: str = "auto", out="outputs", steps: int = 500, seed: int
     "`(out, formats, common, overrides)` of a sweep: its folder made, overrides checked, format names, data prepared, the keywords every run shares."
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     overrides = check_overrides(dict(overrides or {}))
-    formats = [get_format(f).name for f in (formats or REQUIRED_ORDER)]
+    formats = sweep_formats(formats or REQUIRED_ORDER, master_weights)
     data_dir = ensure_data(data_dir or None, out)
     common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode,
                   master_weights=master_weights, stop_on_nan=not interventions)
@@ -462,7 +476,8 @@ def sweep_cli(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="altgrad-sweep", description="Train every 8-bit format and write DIR/summary.md")
     p.add_argument("--preset", default="auto"); p.add_argument("--out", default="outputs")
     p.add_argument("--steps", type=int, default=500); p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--formats", default=",".join(REQUIRED_ORDER)); p.add_argument("--no-retry", action="store_true")
+    p.add_argument("--formats", default=",".join(REQUIRED_ORDER), help="comma-separated element formats (E4M3, ...) "
+                   "or block recipes (mxfp8, nvfp4, ...; FP32 master weights only)"); p.add_argument("--no-retry", action="store_true")
     p.add_argument("--interventions", action="store_true", help="interventions on (runs then continue through NaN steps)")
     p.add_argument("--data-dir", default=""); p.add_argument("--wandb-mode", default="auto")
     p.add_argument("--force", action="store_true", help="train again runs already in --out (finished, or of another config)")
@@ -484,7 +499,7 @@ def sweep_cli(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.jobs < 1: raise ConfigError(f"--jobs {a.jobs}: give the number of concurrent runs, 1 or more")
-        fmts = [get_format(f.strip()).name for f in a.formats.split(",") if f.strip()]
+        fmts = sweep_formats(a.formats.split(","), a.master_weights)
         overrides = parse_overrides(a.set)
         for k in NOTEBOOK_OVERRIDE_PARAMS:
             v = getattr(a, k)
