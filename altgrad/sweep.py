@@ -307,7 +307,7 @@ def run_notebook(fmt: str, out, preset: str = "auto", steps: int | None = None, 
                         progress_bar=progress, cwd=str(Path.cwd()), kernel_name="python3")
     return dest / "report.md"
 
-# %% ../nbs/31_sweep.ipynb #664a8284
+# %% ../nbs/31_sweep.ipynb #0348f6bd
 def sweep_formats(names, master_weights: str = "fp32") -> list[str]:
     "The registered names of a sweep's `names` (element formats or block recipes); ConfigError for a bad one."
     fmts = []
