@@ -5,7 +5,7 @@ FP32 master weights and the FP32 shadow, less a format grid-equivalent to an ear
 2^-1: its run is E1M6's, as `altgrad-sweep` reuses it); then E7M0 and E5M2 with the weights on the grid under nearest,
 stochastic and kahan. Each run is one process of `altgrad.pool.run_pool` (`altgrad.sweep.sweep_job`, the process body of
 `altgrad-sweep --jobs`), at most `--jobs` at a time. Folders: the reference in `OUT/_reference/<preset>-s42-n<steps>/`,
-a format in `OUT/<fmt>/run`, a landing rule in `OUT/<fmt>-<rule>/run` (`altgrad-sweep --update-rules` would instead
+a format in `OUT/<fmt>/run`, a landing in `OUT/<fmt>-<landing>/run` (`altgrad-sweep --update-rules` would instead
 write `OUT/<rule>/<fmt>/run`); each run's log in `OUT/.jobs/<name>.log`.
 
 No run starts in the last `--no-start` seconds before `--deadline`; at the deadline every running run gets SIGTERM (it
@@ -25,7 +25,7 @@ from altgrad.pool import Job, JobsInterrupted, job_env, run_pool
 from altgrad.sweep import REQUIRED_ORDER, _spec, reference_dir, run_name
 from altgrad.tracking import compact_run
 
-RULE_FORMATS, RULES = ("E7M0", "E5M2"), ("nearest", "stochastic", "kahan")
+ON_GRID_FORMATS, ON_GRID_LANDINGS = ("E7M0", "E5M2"), ("nearest", "stochastic", "kahan")
 
 
 def distinct_formats(order=REQUIRED_ORDER) -> list:
@@ -34,19 +34,19 @@ def distinct_formats(order=REQUIRED_ORDER) -> list:
 
 
 def experiment(preset: str) -> list:
-    "(name, format, master weights, rule) of every run, in the requirements' order."
+    "(name, format, master weights, landing) of every run, in the requirements' order."
     return ([("reference", None, "fp32", None)] + [(f, f, "fp32", None) for f in distinct_formats()]
-            + [(run_name(f, r), f, "format", r) for f in RULE_FORMATS for r in RULES])
+            + [(run_name(f, r), f, "format", r) for f in ON_GRID_FORMATS for r in ON_GRID_LANDINGS])
 
 
 def job(out: Path, data_dir: str, preset: str, run) -> Job:
     "One run as a process of the pool: `sweep_job` with its spec (the reference, or a format run without write-up)."
-    name, fmt, mw, rule = run
+    name, fmt, mw, landing = run
     common = dict(preset=preset, steps=load_config(preset).max_steps, seed=42, interventions=False, data_dir=data_dir,
                   wandb_mode="disabled", master_weights=mw, stop_on_nan=True)
-    ov = {"weight_update": rule} if rule else {}
+    ov = {"weight_update": landing} if landing else {}
     spec = (_spec("reference", "reference", out, common, ov) if fmt is None else
-            _spec("train", name, out, common, ov, fmt=fmt, tag=rule or ""))
+            _spec("train", name, out, common, ov, fmt=fmt, tag=landing or ""))
     cmd = [sys.executable, "-c", "import json, sys; from altgrad.sweep import sweep_job; sys.exit(sweep_job(json.loads(sys.argv[1])))",
            json.dumps(spec)]
     return Job(name, cmd, out / ".jobs" / f"{name}.log")
