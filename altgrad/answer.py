@@ -13,8 +13,8 @@ from .report import fmt_num
 from .runs import load_run, run_finished, final_loss
 from .stats import finite, mean_of, mean_ci, paired_benefit, recovered_fraction, t_crit, paired_test, holm, min_detectable_effect
 from .law import law_text, law_fit, format_correlation
-from .study import (DECISIVE_RULES, RETIRED_DESIGN_COMMIT, CONTROL, UPPER, REF_PRECISIONS, SEED_EXPECTATIONS, INPUTS_FILE,
-                           ANALYSIS_RULES, StudyPlan, RunSpec, format_spec, run_dir, mult_label, model_inputs, json_safe, join_names,
+from .study import (DECISIVE_RULES, RETIRED_DESIGN_COMMIT, CONTROL, UPPER, REF_PRECISIONS, REQUIRED_EXPECTATIONS, INPUTS_FILE,
+                           ANALYSIS_SETTINGS, StudyPlan, RunSpec, format_spec, run_dir, mult_label, model_inputs, json_safe, join_names,
                            Protocol, bracket_grids, decisive_lr_specs, decisive_seed_specs, decisive_choice)
 
 # %% auto #0
@@ -48,9 +48,10 @@ def mechanism_of(run) -> dict:
             out[k + suffix] = (float(np.median(x)) if k == "update_ratio" else float(x.mean())) if len(x) else None
     return out
 
+# %% ../nbs/35_answer.ipynb #9839270b
 def run_record(spec: RunSpec, run) -> dict:
     "The numbers of one run for `study.json` (`missing: True` when its folder is not there or incomplete)."
-    rec = dict(name=spec.name, dir=f"runs/{spec.name}", phase=spec.phase, seed=spec.seed, fmt=spec.fmt, rule=spec.rule,
+    rec = dict(name=spec.name, dir=f"runs/{spec.name}", phase=spec.phase, seed=spec.seed, fmt=spec.fmt, rule=spec.rule or spec.precision,
                lr_mult=spec.lr_mult, kind="reference" if spec.fmt is None else "format")
     if run is None: return {**rec, "missing": True}
     s, cfg = run.summary, run.config
@@ -126,6 +127,7 @@ def format_pairs(plan: StudyPlan, L: dict, conf: float = 0.95) -> dict:
         out[r] = {k: dict(v, p_holm=adj[k]) for k, v in fam.items()}
     return out
 
+# %% ../nbs/35_answer.ipynb #102b1941
 def law_points(plan: StudyPlan, proto, recs: dict, grids: dict) -> dict:
     "The law's points from the tuning runs: per quantity (`fp32`: the gap, each grid rule: its benefit), one point per format × multiplier."
     pts = {r: [] for r in plan.rules if r != CONTROL}
@@ -141,8 +143,9 @@ def law_points(plan: StudyPlan, proto, recs: dict, grids: dict) -> dict:
                 pts[r].append(dict(fmt=f, mult=m, x=x, r=r_of, y=b["mean"], n=b["n"]))
     return pts
 
+# %% ../nbs/35_answer.ipynb #ebdae54b
 def decisive_expectations(st: dict, expectations) -> list[str]:
-    "The seeds' expectations checked with paired tests on the held-out seeds."
+    "The requirements' expectations checked with paired tests on the held-out seeds."
     out = []
     for e in expectations:
         f, claim = e["fmt"], e["claim"]
@@ -152,6 +155,7 @@ def decisive_expectations(st: dict, expectations) -> list[str]:
         else: raise ValueError(f"[altgrad] unknown expectation claim {claim!r}; valid claims: fails, best")
     return out
 
+# %% ../nbs/35_answer.ipynb #eb9a73e4
 def _expect_fails_paired(st: dict, f: str) -> str:
     "E.g. E7M0 fails outright: under FP32 master weights and nearest every held-out run failed or ended resolved above the unigram loss."
     parts, fails = [], []
@@ -160,27 +164,28 @@ def _expect_fails_paired(st: dict, f: str) -> str:
         nf = len(c["failed"]); ok = nf == c["n_seeds"] or (ex.get("lo") is not None and ex["lo"] > 0)
         fails.append(ok)
         parts.append(f"{rule_label(r)}: {nf} of {c['n_seeds']} runs stopped at a NaN, final loss − unigram {pm(ex, '.3f')} ({ci_text(ex)})")
-    head = (f"As the seeds expected, {f} fails outright" if all(fails) else f"{f} fails outright under one regime only" if any(fails)
-            else f"Contrary to the seeds' expectation, {f} does not fail outright")
+    head = (f"As the requirements expected, {f} fails outright" if all(fails) else f"{f} fails outright under one regime only" if any(fails)
+            else f"Contrary to the requirements' expectation, {f} does not fail outright")
     crit = "(failing outright: every run stops at a NaN, or the final loss is resolved above the unigram baseline)"
     return f"{head} {crit}: " + "; ".join(parts) + "."
 
+# %% ../nbs/35_answer.ipynb #eea05891
 def _expect_best_paired(st: dict, f: str) -> str:
     "E.g. E5M2 is best: paired by seed against every other format (Holm within the regime), under FP32 master weights and nearest."
     parts, verdicts = [], []
     for r in (UPPER, CONTROL):
         rows = [(k, v) for k, v in st["format_pairs"][r].items() if f in (v["a"], v["b"])]
-        worse = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_RULES["alpha"]
+        worse = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_SETTINGS["alpha"]
                  and ((v["mean"] > 0) == (v["b"] == f))]
-        better = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_RULES["alpha"]
+        better = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_SETTINGS["alpha"]
                   and ((v["mean"] > 0) != (v["b"] == f))]
         n = len(rows)
         verdicts.append("contra" if better else "agree" if len(worse) == n else "open")
         parts.append(f"{rule_label(r)}: resolved better than {len(worse)} of {n} formats"
-                     + (f", resolved worse than {', '.join(better)}" if better else "") + f" (paired, Holm-adjusted p < {ANALYSIS_RULES['alpha']})")
-    head = (f"The data contradicts the seeds' expectation that {f} is best" if "contra" in verdicts else
-            f"The data confirms the seeds' expectation that {f} is best" if set(verdicts) == {"agree"} else
-            f"The data neither confirms nor contradicts the seeds' expectation that {f} is best")
+                     + (f", resolved worse than {', '.join(better)}" if better else "") + f" (paired, Holm-adjusted p < {ANALYSIS_SETTINGS['alpha']})")
+    head = (f"The data contradicts the requirements' expectation that {f} is best" if "contra" in verdicts else
+            f"The data confirms the requirements' expectation that {f} is best" if set(verdicts) == {"agree"} else
+            f"The data neither confirms nor contradicts the requirements' expectation that {f} is best")
     return head + ": " + "; ".join(parts) + "."
 
 # %% ../nbs/35_answer.ipynb #35h8ff1c
@@ -188,6 +193,7 @@ def grid_family(plan: StudyPlan) -> list[tuple[str, str]]:
     "The planned (format, grid rule) cells: the family of the benefit tests, of their detectable effect and of the headline's m."
     return [(f, r) for f in plan.formats for r in grid_aware_rules(plan.rules)]
 
+# %% ../nbs/35_answer.ipynb #b8a82da2
 def decisive_cells(plan: StudyPlan, proto, recs: dict, held: list, unigram, conf: float = 0.95) -> tuple[dict, dict]:
     "(`{fmt: {rule: cell}}` over the held-out specs `held`, `{fmt: {rule: {seed: loss}}}`)."
     L = {f: {r: _losses(recs, [s for s in held if (s.fmt, s.rule) == (f, r)]) for r in plan.rules} for f in plan.formats}
@@ -210,13 +216,14 @@ def decisive_cells(plan: StudyPlan, proto, recs: dict, held: list, unigram, conf
         for (f, r), p in adj.items(): cells[f][r]["benefit"]["p_holm"] = p
     return cells, L
 
+# %% ../nbs/35_answer.ipynb #85561e64
 def decisive_mde(plan: StudyPlan, cells: dict, pairs: dict, n: int) -> dict:
     """The minimum effect detectable at 80% power (two-sided paired t) from the median measured paired SD of a family:
     `mde` for one pre-specified comparison (alpha 0.05), `mde_family` for a claim that survives Holm over the family's
     m tests (its first step: alpha 0.05/m). Families: the grid rules' benefits over nearest, and the format pairs."""
     sd_b = [cells[f][r]["benefit"]["sd"] for f, r in grid_family(plan) if cells[f][r]["benefit"].get("sd")]
     sd_f = [v["sd"] for fam in pairs.values() for v in fam.values() if v.get("sd")]
-    m_b, (alpha, power) = len(grid_family(plan)), (ANALYSIS_RULES["alpha"], ANALYSIS_RULES["power"])
+    m_b, (alpha, power) = len(grid_family(plan)), (ANALYSIS_SETTINGS["alpha"], ANALYSIS_SETTINGS["power"])
     m_f = len(plan.formats) * (len(plan.formats) - 1) // 2
     def one(sds, m):
         if not sds or n < 2: return dict(sd=None, mde=None, m=m, mde_family=None)
@@ -229,6 +236,7 @@ def _no_none(d):
     "A record without its None entries (nested dicts too): the decisive study.json stays small."
     return {k: _no_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
 
+# %% ../nbs/35_answer.ipynb #35f045c0
 def headline_record(cells: dict, head, grid_cells: list, m: int) -> dict | None:
     """The headline cell (largest mean benefit of the m grid-rule cells) with a simultaneous interval (Bonferroni: each of
     the m intervals at 1 − 0.05/m, so all m cover together with 95%; the largest of m means is biased upward by its
@@ -236,7 +244,7 @@ def headline_record(cells: dict, head, grid_cells: list, m: int) -> dict | None:
     planned number of cells (the same m as the family-wise detectable effect; a cell without runs still counts)."""
     if head is None: return None
     b = cells[head[0]][head[1]]["benefit"]
-    alpha = ANALYSIS_RULES["alpha"]
+    alpha = ANALYSIS_SETTINGS["alpha"]
     sim = dict(conf=1 - alpha / m, lo=None, hi=None)
     if b.get("sd") is not None and b.get("n", 0) >= 2:
         h = t_crit(b["n"] - 1, 1 - alpha / m) * b["sd"] / math.sqrt(b["n"])
@@ -244,6 +252,7 @@ def headline_record(cells: dict, head, grid_cells: list, m: int) -> dict | None:
     res = [f"{f}/{r}" for f, r in grid_cells if (cells[f][r]["benefit"].get("p_holm") or 1) < alpha and cells[f][r]["benefit"]["mean"] > 0]
     return dict(fmt=head[0], rule=head[1], m=m, simultaneous=sim, resolved=res)
 
+# %% ../nbs/35_answer.ipynb #117f5ff1
 def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: dict | None, unigram, conf: float = 0.95) -> dict:
     "Every number of a decisive study's write-up from `{run name: Run or None}` (`study.json`'s content)."
     tune, held = _decisive_specs(plan, proto, grids, choice)
@@ -262,7 +271,7 @@ def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: di
     head = max(grid_cells, key=lambda fr: cells[fr[0]][fr[1]]["benefit"]["mean"]) if grid_cells else None
     vocab = next((runs[s.name].summary.get("vocab") for s in held + tune if runs.get(s.name) is not None
                   and runs[s.name].summary.get("vocab")), None)
-    refs = {p: mean_ci(_losses(recs, [s for s in held if s.fmt is None and s.rule == p]).values(), conf) for p in REF_PRECISIONS} if done else {}
+    refs = {p: mean_ci(_losses(recs, [s for s in held if s.fmt is None and s.precision == p]).values(), conf) for p in REF_PRECISIONS} if done else {}
     split = next((runs[s.name].summary.get("compute_split") for s in held + tune if s.fmt and runs.get(s.name) is not None
                   and runs[s.name].summary.get("compute_split")), None)     # the same model in every 8-bit run
     seconds = {ph: math.fsum(x.get("seconds") or 0.0 for x in recs.values() if x["phase"] == ph) for ph in ("lr", "seeds")}
@@ -301,6 +310,7 @@ def law_clause(st: dict, r: str) -> str:
             f"others; RMSE {L['lofo_rmse']:.3f} nats): "
             + ("the stall mechanism explains it" if L["one_curve"] else "the points do not fall on one curve, so the stall alone does not explain it"))
 
+# %% ../nbs/35_answer.ipynb #d920b9bd
 def decisive_paragraph(st: dict) -> str:
     "The first paragraph of a decisive study's `answer.md`."
     sens = f"**Sensitivity run ({st['protocol']['sensitivity']}), not the protocol's answer.** " if st["protocol"].get("sensitivity") else ""
@@ -310,7 +320,7 @@ def decisive_paragraph(st: dict) -> str:
     f, r = h["fmt"], h["rule"]; b = st["cells"][f][r]["benefit"]; mde = st["mde"]["benefit"]
     resolved = f"{f}/{r}" in h.get("resolved", [])              # Holm's p < alpha and a positive mean (`headline_record`)
     sim = h.get("simultaneous") or {}
-    simtext = (f"; {sim['lo']:.3f} to {sim['hi']:.3f} as a simultaneous {1 - ANALYSIS_RULES['alpha']:.0%} interval over all {h['m']} format × rule cells "
+    simtext = (f"; {sim['lo']:.3f} to {sim['hi']:.3f} as a simultaneous {1 - ANALYSIS_SETTINGS['alpha']:.0%} interval over all {h['m']} format × rule cells "
                f"(Bonferroni, each at {sim['conf']:.2%})"
                if sim.get("lo") is not None else "")
     others = [c for c in h.get("resolved", []) if c != f"{f}/{r}"]
@@ -349,6 +359,7 @@ def pairs_section(st: dict) -> list[str]:
             L.append(f"| {r} | {k} | {fmt_num(v.get('mean'), '+.4f')} | {ci_text(v, '.4f').replace('95% CI ', '')} | {fmt_num(v.get('p'), '.2g')} | {fmt_num(v.get('p_holm'), '.2g')} |")
     return L
 
+# %% ../nbs/35_answer.ipynb #3fda81f7
 def decisive_results_section(st: dict) -> list[str]:
     "The table of every format × regime cell over the held-out seeds."
     seeds = st["protocol"]["heldout_seeds"]
@@ -365,6 +376,7 @@ def decisive_results_section(st: dict) -> list[str]:
                      f"{recovered_text(c.get('recovered')) if c.get('recovered') else '—'} | {c['loss']['n']}/{len(seeds)} |")
     return L
 
+# %% ../nbs/35_answer.ipynb #e9edda59
 def law_section(st: dict) -> list[str]:
     "The law per quantity (gap and each rule's benefit) and the rank correlations across formats."
     L = ["", "## The mechanism as a law", "",
@@ -385,6 +397,7 @@ def law_section(st: dict) -> list[str]:
     L += [f"| {name(r)} | {fmt_num(c.get('rho'), '.2f')} | {c.get('n')} | {fmt_num(c.get('p'), '.2g')} |" for r, c in st["correlation"].items()]
     return L
 
+# %% ../nbs/35_answer.ipynb #380564d8
 def bracket_section(st: dict) -> list[str]:
     "Each regime's rate grid: mean tuning loss per multiplier (chosen in bold), its status."
     L = ["", "## Learning rates (tuning seeds only)", "", f"Choice rule, fixed before the seed phase: {st['lr_choice']['rule']}.", "",
@@ -411,6 +424,7 @@ def plot_law(st: dict):
     axs[0][0].set_ylabel("L_nearest − L_regime (nats)"); axs[0][0].legend(fontsize=7)
     fig.tight_layout(); return fig
 
+# %% ../nbs/35_answer.ipynb #1239e33a
 def _reference_clause(st: dict) -> str:
     "How far below the unigram baseline the FP32 reference ends (goal: at least 1 nat)."
     ref = (st.get("references") or {}).get("fp32", {})
@@ -420,6 +434,7 @@ def _reference_clause(st: dict) -> str:
     return (f"; the FP32 reference ends {gap:.3f} nats below the unigram baseline on the same vocabulary" + (f" ({voc})" if voc else "")
             + f" (the unigram cross-entropy of the whole validation split, {st['unigram']:.3f}; goal ≥ 1.0: {'met' if gap >= 1.0 else 'missed'})")
 
+# %% ../nbs/35_answer.ipynb #a613bead
 def decisive_protocol_section(st: dict, inputs: dict) -> list[str]:
     "How the decisive study was run."
     plan, pr, cfg = st["plan"], st["protocol"], inputs.get("model", {})
@@ -440,8 +455,9 @@ def decisive_protocol_section(st: dict, inputs: dict) -> list[str]:
             f"- **Budget**: {st['budget']['runs']} runs, {st['budget']['total_seconds'] / 3600:.2f} h of training on {', '.join(st['devices']) or '?'}.",
             "- **NaN policy**: a run stops at its first non-finite loss and counts as failed (left out of means, listed)."] + _protocol_extras(st, inputs)
 
+# %% ../nbs/35_answer.ipynb #bb1be291
 def _protocol_extras(st: dict, inputs: dict) -> list[str]:
-    "The vocabulary, the analysis rules fixed in the study's inputs, and the default regimes this study did not run."
+    "The vocabulary, the analysis settings fixed in the study's inputs, and the default regimes this study did not run."
     v = inputs.get("vocab") or st.get("vocab") or {}
     cov = (v.get("coverage") or {}).get("val")
     L = [f"- **Vocabulary**: {v['name']}" + (f", {v['size']:,} classes" if v.get("size") else "")
@@ -453,16 +469,17 @@ def _protocol_extras(st: dict, inputs: dict) -> list[str]:
     if cut: L.append(f"- **Not run**: {', '.join(f'`{r}`' for r in cut)} of the default regimes (see the study's notes for why).")
     return L
 
+# %% ../nbs/35_answer.ipynb #792c5bef
 def write_decisive_answer(out, st: dict, inputs: dict) -> Path:
     "Write `out/answer.md` and `out/study.json` of a decisive study from `decisive_analyze`'s result."
     out = Path(out)
     st = dict(st, answer=decisive_paragraph(st),
-              expectations=decisive_expectations(st, inputs.get("expectations", SEED_EXPECTATIONS)) if st["complete"] else [])
+              expectations=decisive_expectations(st, inputs.get("expectations", REQUIRED_EXPECTATIONS)) if st["complete"] else [])
     L = ["# Which 8-bit format benefits most from grid-aware updates, and why", ""]
     if st["protocol"].get("sensitivity"): L += [f"*Sensitivity run: {st['protocol']['sensitivity']}. Not the protocol's answer.*", ""]
     L += [st["answer"], ""]
     if st["complete"]:
-        L += ["## The seeds' expectations (paired tests)", ""] + [f"- {x}" for x in st["expectations"]] + [""]
+        L += ["## The requirements' expectations (paired tests)", ""] + [f"- {x}" for x in st["expectations"]] + [""]
         st["figures"] = dict(law=save_figure(plot_law(st), out / "figures" / "law.png"))
         L += decisive_results_section(st) + pairs_section(st) + law_section(st) + ["", f"![law]({st['figures']['law']})", "",
               "Each regime's difference to nearest against nearest's predicted stall, one point per format × multiplier (tuning "
@@ -472,6 +489,7 @@ def write_decisive_answer(out, st: dict, inputs: dict) -> Path:
     (out / "study.json").write_text(json.dumps(json_safe(st), indent=1, ensure_ascii=False) + "\n")
     return out / "answer.md"
 
+# %% ../nbs/35_answer.ipynb #f6028f34
 def report_decisive(out, inputs: dict, log=print, runs: dict | None = None) -> Path:
     "Rewrite a decisive study's `answer.md` and `study.json` from its run folders and `study_inputs.json` alone."
     out, cache, loaded = Path(out), dict(runs or {}), {}
@@ -497,6 +515,7 @@ def report_decisive(out, inputs: dict, log=print, runs: dict | None = None) -> P
     if choice: load(decisive_seed_specs(plan, proto, choice["mults"]))
     return write_decisive_answer(out, decisive_analyze(plan, proto, loaded, grids, choice, inputs.get("unigram")), inputs)
 
+# %% ../nbs/35_answer.ipynb #cf41777d
 def report_study(out, log=print, runs: dict | None = None) -> Path:
     """Rewrite `answer.md`, `study.json` and the figures of the study in `out` from its run folders and `study_inputs.json`
     (no training; `runs`: already loaded `{name: Run}`, the rest are read from `out/runs/`)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 import torch
 from .formats import get_format
+from .regimes import UPDATE_RULES, UpdateRule, rule_of, settings_of   # (nbs/04c_regimes: below this notebook)
 
 # %% auto #0
 __all__ = ['REGIME_KEYS', 'KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS', 'RESEARCH_KEYS',
@@ -274,37 +275,29 @@ def _validate(cfg: TrainConfig):
         errors.append(f"device={cfg.device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
     for key in ("fmt", "fmt_backward"):
         if getattr(cfg, key) is not None and (msg := _check_format(key, getattr(cfg, key))): errors.append(msg)
-    for i, rule in enumerate(cfg.layer_formats):
-        if not (isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str) and rule[0]):
-            errors.append(f"layer_formats[{i}]={rule!r} must be a [pattern, format-or-None] pair with a non-empty pattern"); continue
-        if isinstance(rule[1], str) and rule[1].strip().lower() in _NONE_WORDS: rule[1] = None
-        if rule[1] is not None and (msg := _check_format(f"layer_formats[{i}] format", rule[1])): errors.append(msg)
+    for i, entry in enumerate(cfg.layer_formats):
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]):
+            errors.append(f"layer_formats[{i}]={entry!r} must be a [pattern, format-or-None] pair with a non-empty pattern"); continue
+        if isinstance(entry[1], str) and entry[1].strip().lower() in _NONE_WORDS: entry[1] = None
+        if entry[1] is not None and (msg := _check_format(f"layer_formats[{i}] format", entry[1])): errors.append(msg)
     if not all(isinstance(t, str) for t in cfg.wandb_tags): errors.append(f"wandb_tags must be a list of strings, got {cfg.wandb_tags!r}")
     if errors: raise ConfigError("invalid config: " + "; ".join(errors))
 
 # %% ../nbs/05_config.ipynb #e2946298
 REGIME_KEYS = ("master_weights", "weight_update", "optimizer", "residual_dtype")   # the regime as saved configs spell it
 _SPELLED_AFTER = {"amax_algo": ("master_weights",), "regime": ("optimizer",), "lr_scale": ("weight_update", "residual_dtype")}
-def _regimes():
-    """`altgrad.regimes`, imported on use. Not a cycle (regimes imports grid and optim, neither imports config): the
-    layering. Notebooks are numbered by dependency (`tests/test_package.py`), and regimes (nbs/25, after optim) comes
-    after this notebook (nbs/05)."""
-    import altgrad.regimes as regimes
-    return regimes
-
 def regime_keys(rule) -> dict:
     "The regime `rule` (an `UpdateRule`) spelled as `REGIME_KEYS`, as every saved config and checkpoint stores it."
     return dict(master_weights=rule.master_weights, weight_update=rule.landing, optimizer=rule.optimizer,
                 residual_dtype=rule.residual_dtype)
 
 def _regime_error(value, why: str) -> ValueError:
-    names = ", ".join(_regimes().UPDATE_RULES)
+    names = ", ".join(UPDATE_RULES)
     return ValueError(f"regime={value!r} {why}; valid names: {names}. Fix: use one of these names, "
                       "or pass an altgrad.regimes.UpdateRule (register a new one with altgrad.regimes.register_rule)")
 
 def as_rule(value):
     "The `UpdateRule` that `regime=value` names: an `UpdateRule` (or its fields, as saved) or a registered name."
-    R = _regimes(); UPDATE_RULES, UpdateRule, settings_of = R.UPDATE_RULES, R.UpdateRule, R.settings_of
     if isinstance(value, dict):
         names = [f.name for f in fields(UpdateRule)]
         if set(value) - set(names) or not {"name", "label"} <= set(value):
@@ -322,20 +315,19 @@ def as_rule(value):
 
 def rule_from_keys(keys: dict, lr_scale=None):
     "The regime that `REGIME_KEYS` values ran: the registered rule they spell, else an unregistered `UpdateRule` 'custom'."
-    R = _regimes()
-    try: r = R.UPDATE_RULES[R.rule_of({**keys, "lr_scale": lr_scale})]
+    try: r = UPDATE_RULES[rule_of({**keys, "lr_scale": lr_scale})]
     except ValueError: r = None
     if r is not None and regime_keys(r) == keys: return r
     # r matched but keys it does not read differ (a landing under FP32 master weights): r's name, these keys
     name, label, lr = (r.name, r.label, r.lr_scale) if r else ("custom", "custom update regime", None)
-    return R.UpdateRule(name, label, keys["master_weights"], keys["weight_update"], keys["optimizer"], lr,
+    return UpdateRule(name, label, keys["master_weights"], keys["weight_update"], keys["optimizer"], lr,
                         keys["residual_dtype"])
 
 def saved_regime(rule, lr_scale=None) -> dict:
     """What a saved config adds to `REGIME_KEYS` so that it reloads as `rule`: nothing where they (with `lr_scale`) read
     back as it, else `regime`: its name (registered) or its fields (unregistered)."""
     if rule_from_keys(regime_keys(rule), lr_scale) == rule: return {}
-    return {"regime": rule.name if _regimes().UPDATE_RULES.get(rule.name) == rule else asdict(rule)}
+    return {"regime": rule.name if UPDATE_RULES.get(rule.name) == rule else asdict(rule)}
 
 def fold_regime(d: dict, source: str = "config") -> dict:
     """`d` with `REGIME_KEYS` folded into its `regime` (they change parts of a given one, else of 'fp32'); a bad

@@ -421,7 +421,7 @@ def adversarial_inputs(fmt, n_random: int = 1_000_000, seed: int = 0) -> torch.T
     return torch.cat([pos, -pos])
 
 def reference_quantize(x: torch.Tensor, fmt) -> torch.Tensor:
-    "Brute force: nearest value of the table (float64), ties to the even code (or away), then the overflow rule."
+    "Brute force: nearest value of the table (float64), ties to the even code (or away), then the overflow behaviour."
     fmt = get_format(fmt)
     n = 1 << (fmt.exp_bits + fmt.man_bits)                                 # the codes of the non-negative half
     codes = torch.arange(n); vals = torch.tensor(fmt.code_values[:n], dtype=torch.float64)

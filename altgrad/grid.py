@@ -74,7 +74,7 @@ def register_landing(landing: Landing) -> Landing:
     return landing
 
 def get_landing(name: str) -> Landing:
-    "The registered landing rule `name`; unknown names raise ValueError listing the valid ones."
+    "The registered landing `name`; unknown names raise ValueError listing the valid ones."
     if name not in LANDINGS: raise ValueError(f"weight_update={name!r} is not one of {', '.join(map(repr, LANDINGS))}")
     return LANDINGS[name]
 
@@ -91,10 +91,10 @@ register_landing(Landing("stochastic", _stochastic, stochastic=True))
 register_landing(Landing("kahan", _kahan, residual=True))
 register_landing(Landing("eco", _stochastic, stochastic=True, momentum=True))   # ECO: stochastic landing, error into the momentum
 
-def land(w: torch.Tensor, u: torch.Tensor, fmt, scale=1.0, rule: str = "nearest", residual: torch.Tensor | None = None,
+def land(w: torch.Tensor, u: torch.Tensor, fmt, scale=1.0, landing: str = "nearest", residual: torch.Tensor | None = None,
          generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    "`w + u` on `fmt`'s grid with `scale` by the landing rule `rule` (a `LANDINGS` name): `(w_new, residual_new)`."
-    return get_landing(rule).apply(w.detach().float(), u.detach().float(), get_format(fmt), scale, residual, generator)
+    "`w + u` on `fmt`'s grid with `scale` by the landing `landing` (a `LANDINGS` name): `(w_new, residual_new)`."
+    return get_landing(landing).apply(w.detach().float(), u.detach().float(), get_format(fmt), scale, residual, generator)
 
 def store_residual(c: torch.Tensor, dtype: str, fmt) -> torch.Tensor:
     "The residual as it is stored between steps: float32, bfloat16, or `fmt` with its own per-tensor scale."
@@ -112,12 +112,12 @@ def _regrid_bounds(fmt: FP8Format, margin: int, stochastic: bool) -> tuple[float
     T = fmt.max_value / 2.0 ** margin
     return T, (T if stochastic else T + float(fmt.ulp(torch.tensor(T))) / 2)
 
-def regrid_scale(amax: torch.Tensor, scale: torch.Tensor, fmt, margin: int = 0, rule: str = "nearest") -> torch.Tensor:
+def regrid_scale(amax: torch.Tensor, scale: torch.Tensor, fmt, margin: int = 0, landing: str = "nearest") -> torch.Tensor:
     "Scale for weights of `amax` now on `scale`: kept while T/4 < amax*scale <= T + ulp(T)/2, else moved by 2^k into (T/2, T]."
     fmt = get_format(fmt)
     a = torch.as_tensor(amax).detach().float()
     s = torch.as_tensor(scale, device=a.device).detach().float()
-    T, top = _regrid_bounds(fmt, margin, get_landing(rule).stochastic)
+    T, top = _regrid_bounds(fmt, margin, get_landing(landing).stochastic)
     p = a * s
     ok = torch.isfinite(p) & (p > 0)
     k = torch.floor(torch.log2(torch.where(ok, T / p, torch.ones_like(p))))

@@ -87,7 +87,7 @@ def matrix_markdown(m: dict, title: str = "Update rules × formats (one seed)", 
             L.append(f"| {f} | " + " | ".join(_cell_text(m["metrics"][k][f][r], spec, m["cells"].get(f"{f}/{r}"), k == "mean_stall")
                                               for r in m["rules"]) + " |")
         L.append("")
-    L += ["## Verdicts (seed 002's criteria, per run)", ""] + heads
+    L += ["## Verdicts (requirement 002's criteria, per run)", ""] + heads
     for f in m["formats"]:
         L.append(f"| {f} | " + " | ".join((m["cells"].get(f"{f}/{r}") or {}).get("verdict") or "—" for r in m["rules"]) + " |")
     refs = sorted({c["ref_val_loss"] for c in m["cells"].values() if c.get("ref_val_loss") is not None})

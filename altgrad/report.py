@@ -41,6 +41,7 @@ def _events(run: Run) -> list[dict]:
         ev += [dict(step=int(a), layer=k[len("intervention/"):]) for a, b in zip(s, v) if b]
     return ev
 
+# %% ../nbs/30_report.ipynb #eaf0955f
 def smooth(v, window: int = SMOOTH_WINDOW) -> np.ndarray:
     "Trailing running mean of the last `window` finite values of `v` (NaN at non-finite entries)."
     v = np.asarray(v, dtype=float); out = np.full(len(v), np.nan); buf = []
@@ -54,6 +55,7 @@ def legend(ax, **kw):
     "`ax.legend(**kw)` when the axes hold labelled artists (no legend, and no matplotlib warning, otherwise)."
     if ax.get_legend_handles_labels()[0]: ax.legend(**kw)
 
+# %% ../nbs/30_report.ipynb #19ad3952
 def plot_loss(run: Run, ref: Run | None = None, label: str = "8-bit", ref_label: str = "reference", window: int = SMOOTH_WINDOW):
     """Train (raw, faint; running mean over `window` steps, bold) and validation loss (left), validation perplexity
     (right); the reference in black dashes drawn on top (its per-batch loss is left out: it would hide the run's)."""
@@ -76,6 +78,7 @@ def plot_loss(run: Run, ref: Run | None = None, label: str = "8-bit", ref_label:
     a2.set(xlabel="step", ylabel="perplexity", yscale="log", title="validation perplexity"); legend(a2, fontsize=7)
     fig.tight_layout(); return fig
 
+# %% ../nbs/30_report.ipynb #8dc4ceaa
 def quantized_layer_names(run: Run) -> list[str]:
     "The 8-bit layers: from `summary.json` (`quantized_layer_names`), else the layers with per-layer overflow/stall keys."
     names = run.summary.get("quantized_layer_names")
@@ -99,6 +102,7 @@ def quantized_cos_series(run: Run) -> tuple[np.ndarray, np.ndarray, str | None]:
     s, v = zip(*pts)
     return np.asarray(s), np.asarray(v), "derived"
 
+# %% ../nbs/30_report.ipynb #1fe9a681
 def plot_cosine(run: Run):
     "Cosine similarity between the run's gradients and the FP32 shadow's: 8-bit layers' weights (headline) and all parameters."
     fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -111,6 +115,7 @@ def plot_cosine(run: Run):
     ax.set(xlabel="step", ylabel="cosine similarity", title="gradient agreement with the FP32 shadow", ylim=(None, 1.01))
     legend(ax, fontsize=8); fig.tight_layout(); return fig
 
+# %% ../nbs/30_report.ipynb #a1c12d59
 def layer_matrix(run: Run, prefix: str) -> tuple[list[str], np.ndarray, np.ndarray]:
     "(row names, steps, matrix rows × steps) of every metric under `prefix` (NaN where not logged)."
     natural = lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)]
@@ -134,6 +139,7 @@ def colour_range(m, pct=HEATMAP_PERCENTILE) -> tuple[float, float, str]:
     if hi > 0: return 0.0, hi, f"{pct}th percentile of the values"
     return 0.0, float(v.max()), f"maximum (the {pct}th percentile is 0)"
 
+# %% ../nbs/30_report.ipynb #7a25935a
 def plot_heatmap(run: Run, prefix: str, title: str, pct=HEATMAP_PERCENTILE):
     """Layers × steps heat map of the rates under `prefix` (e.g. `overflow/`), coloured from 0 to their `pct` percentile
     (`colour_range`); when every value is 0 the title says so and nothing is drawn."""
@@ -152,6 +158,7 @@ def plot_heatmap(run: Run, prefix: str, title: str, pct=HEATMAP_PERCENTILE):
     cb.set_label(f"colour range 0 to {hi:.3g}\n(the {what})", fontsize=7)
     ax.set_title(title); fig.tight_layout(); return fig
 
+# %% ../nbs/30_report.ipynb #a992afd5
 def hotspots(run: Run, prefix: str, k: int = 3) -> list[tuple[str, float, float, int]]:
     "The `k` rows of `layer_matrix(run, prefix)` with the highest mean: `(name, mean, max, step of the max)`."
     names, steps, m = layer_matrix(run, prefix)
@@ -167,6 +174,7 @@ def pick_layers(names: list[str], k: int = 3) -> list[str]:
     if len(names) <= k: return list(names)
     return [names[round(i * (len(names) - 1) / (k - 1))] for i in range(k)]
 
+# %% ../nbs/30_report.ipynb #6a04950d
 def plot_histograms(run: Run, fmt=None):
     "256-code histograms of W, A, G for an early, middle and late layer at every step saved (log counts)."
     if not run.histograms: return None
@@ -205,6 +213,7 @@ def nan_origin(run: Run) -> str | None:
         if a.get("kind") == "nan": return a.get("text")
     return None
 
+# %% ../nbs/30_report.ipynb #ef0a9f2a
 def failure_analysis(run: Run, before: int = 5) -> dict | None:
     "Facts about the first NaN: step, origin, losses and gradient/overflow statistics just before, checkpoint."
     step = first_nan_step(run)
@@ -228,6 +237,7 @@ def _anomaly_checkpoint(run: Run) -> str | None:
         if not rel.startswith(".."): return str(run.dir / rel)
     return a
 
+# %% ../nbs/30_report.ipynb #575f9024
 def mean_quantized_cos(run: Run) -> tuple[float | None, str | None]:
     "(mean over steps of the gradient cosine over the 8-bit layers' weights, 'logged' | 'derived' | None)."
     _, v, src = quantized_cos_series(run)
@@ -239,6 +249,7 @@ def divergence_steps(run: Run) -> list[int]:
     keys = [k for k in run.keys() if k == "divergence" or k.endswith("/divergence")]
     return sorted({int(s) for k in keys for s, v in zip(*run.series(k)) if v})
 
+# %% ../nbs/30_report.ipynb #14c85cc3
 def verdict(run: Run, ref: Run | None, tolerance: float = 0.10, min_cos: float = 0.9) -> tuple[str, str]:
     "('PASS' | 'FAIL at step N' | 'INVESTIGATE', the reason: every criterion that decided it)."
     step = first_nan_step(run)
@@ -289,6 +300,7 @@ def progress_lost(l_run: float | None, l_ref: float | None, l_unigram: float | N
     if l_run is None or l_ref is None or l_unigram is None or not l_unigram > l_ref: return None
     return (l_run - l_ref) / (l_unigram - l_ref)
 
+# %% ../nbs/30_report.ipynb #accba356
 def layer_counts(run: Run) -> dict:
     "`quantized` of `linear` layers are 8-bit, and where the counts come from ('summary.json' | 'metric keys')."
     s = run.summary
@@ -300,6 +312,7 @@ def layer_counts(run: Run) -> dict:
     q = quantized_layer_names(run) if run.fmt else []
     return dict(quantized=len(q), linear=(len(linear) or None), source="metric keys")
 
+# %% ../nbs/30_report.ipynb #c8837886
 def run_summary(run: Run, ref: Run | None = None, unigram: float | None = None, tolerance: float = 0.10,
                 min_cos: float = 0.9) -> dict:
     "The numbers of one sweep-table row (`unigram`: the unigram baseline's validation loss, for `progress_lost`)."
@@ -326,6 +339,7 @@ def run_summary(run: Run, ref: Run | None = None, unigram: float | None = None, 
                 optimizer=cfg.get("optimizer", "adamw"), rounding=cfg.get("rounding", "nearest"),
                 verdict=vd, reason=why)
 
+# %% ../nbs/30_report.ipynb #6b465a06
 def fmt_num(v, spec: str = ".4g") -> str:
     "A table cell: numbers formatted, None as an em dash."
     if v is None: return "—"
@@ -334,7 +348,7 @@ def fmt_num(v, spec: str = ".4g") -> str:
 
 # %% ../nbs/30_report.ipynb #bb88be59
 def _carries_residual(landing) -> bool:
-    "Does the landing rule `landing` carry a residual to the next step (`grid.Landing.residual`; unknown names: no)?"
+    "Does the landing `landing` carry a residual to the next step (`grid.Landing.residual`; unknown names: no)?"
     return bool(landing in LANDINGS and LANDINGS[landing].residual)
 
 def _residual_text(cfg: dict) -> str:
@@ -344,6 +358,7 @@ def _residual_text(cfg: dict) -> str:
     return f"`residual_dtype={res}`: " + (f"{n} byte{'s' * (n != 1)} per parameter" if n else "unknown size") + \
         (" plus one scale per tensor" if res == "format" else "")
 
+# %% ../nbs/30_report.ipynb #d92fe04a
 def precision_note(run: Run) -> str:
     "What is 8-bit in `run` and what is not, as one markdown paragraph."
     cfg, s = run.config, run.summary
@@ -360,7 +375,7 @@ def precision_note(run: Run) -> str:
          f"({rnd}) to {fmts} with " + (block_scaling_text(run.fmt)
                                        or f"per-{cfg.get('granularity') or 'tensor'} {cfg.get('scaling') or 'delayed'} scaling.")]
     if n and q < n: L.append(("The other linear layer stays" if n - q == 1 else f"The other {n - q} linear layers stay")
-                             + f" in high precision (precision rules: {layer_formats_of(cfg) or 'none'}).")
+                             + f" in high precision (layer_formats: {layer_formats_of(cfg) or 'none'}).")
     not8 = ["the attention products QKᵀ and AV", "the tied token embedding / LM head", "the position embedding", "biases",
             "LayerNorm", "GELU", "softmax",
             "the residual stream", f"the optimizer state ({cfg.get('optimizer', 'adamw')})"]
@@ -368,7 +383,7 @@ def precision_note(run: Run) -> str:
     if cfg.get("master_weights", "fp32") == "format":
         wu = cfg.get("weight_update", "nearest")
         L.append(f"**Weights:** stored on the {run.fmt} grid after every optimizer step (`master_weights=format`; "
-                 f"update rule `weight_update={wu}`): " + (
+                 f"landing `weight_update={wu}`): " + (
                      f"what rounding drops is carried to the next step in a per-weight residual ({_residual_text(cfg)})."
                      if _carries_residual(wu) else "updates the grid cannot hold are lost."))
     else:
@@ -397,6 +412,7 @@ def has_mechanism(run: Run) -> bool:
     "Did the run log the update-mechanism metrics (`pred_stall/total` and `stall/total`)?"
     return len(run.series("pred_stall/total")[0]) > 0 and len(run.series("stall/total")[0]) > 0
 
+# %% ../nbs/30_report.ipynb #96fac590
 def layer_groups(run: Run) -> dict[str, list[str]]:
     "{role: [layers]} of the layers with mechanism metrics, roles in `LAYER_GROUPS` order (others after, sorted)."
     natural = lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)]
@@ -411,6 +427,7 @@ def _pooled_mean(run: Run, keys: list[str]) -> float | None:
     v = v[np.isfinite(v)]
     return float(v.mean()) if len(v) else None
 
+# %% ../nbs/30_report.ipynb #a6efdd42
 def mechanism_table(run: Run) -> list[dict]:
     """One row per layer role, then `total`: `group`, `layers` (count), and for each `MECHANISM_COLUMNS` metric its mean
     over the steps and the role's layers (`total`: of the `/total` keys), None where not logged."""
@@ -426,8 +443,9 @@ def regime_of(cfg: dict):
     try: return get_rule(rule_of(cfg))
     except ValueError: return None
 
+# %% ../nbs/30_report.ipynb #01b0070a
 def mechanism_rule(run: Run) -> str:
-    "One sentence naming how the weights were updated: landing rule, base optimizer, learning-rate scale, kahan residual."
+    "One sentence naming how the weights were updated: landing, base optimizer, learning-rate scale, kahan residual."
     cfg = run.config
     opt = cfg.get("optimizer") or "adamw"
     regime = regime_of(cfg)
@@ -454,6 +472,7 @@ MECHANISM_LABELS = {   # what each curve of `plot_mechanism` measures, by where 
                  rho="ρ of the FP32 master copy (every update lands: 1)", lost="lost update of the FP32 copy (0)",
                  left="8-bit view of the FP32 master weights (nothing is lost)", right="FP32 master copy: fidelity (faint: per step)")}
 
+# %% ../nbs/30_report.ipynb #3b81bb63
 def plot_mechanism(run: Run, window: int = SMOOTH_WINDOW):
     """Predicted (`pred_stall/total`) vs measured (`stall/total`) stall (left); fidelity ρ and lost update (right); the
     labels say what each curve measures where the weights live (`MECHANISM_LABELS`)."""
@@ -473,6 +492,7 @@ def plot_mechanism(run: Run, window: int = SMOOTH_WINDOW):
     a2.set(xlabel="step", ylabel="share of ‖u‖²", title=lab["right"])
     fig.tight_layout(); return fig
 
+# %% ../nbs/30_report.ipynb #73d4f087
 def ratio_histograms(run: Run) -> dict[str, dict[str, np.ndarray]]:
     "{role: {step: counts summed over the role's layers}} of the `r` histograms in `histograms.json` (bins `grid.R_EDGES`)."
     nb = len(R_EDGES) - 1
@@ -491,6 +511,7 @@ def share_below_half(counts) -> float:
     c = np.asarray(counts, dtype=float)
     return float(c[np.asarray(R_EDGES[1:]) <= -1].sum() / c.sum()) if c.sum() else float("nan")
 
+# %% ../nbs/30_report.ipynb #7a7521a1
 def plot_ratio_histograms(run: Run):
     "Histograms of log2 r (r = |u|/ulp) per layer role at the saved steps, as shares of the moved weights; line at r = 1/2."
     hs = ratio_histograms(run)
@@ -505,6 +526,7 @@ def plot_ratio_histograms(run: Run):
     axs[0, 0].set_ylabel("share of moved weights")
     fig.tight_layout(); return fig
 
+# %% ../nbs/30_report.ipynb #ade145ab
 def mechanism_section(run: Run, fig_dir) -> list[str]:
     "The report's 'Update mechanism' section (markdown lines); draws `mechanism.png` and `update_ratio_hist.png` into `fig_dir`."
     L = ["## Update mechanism", ""]
@@ -553,6 +575,7 @@ def _ranks_row(run) -> dict:
     if ga > 1: return {"global batch": f"{gb} sequences = {b} per micro-batch × {ga} accumulation (one process)"}
     return {}
 
+# %% ../nbs/30_report.ipynb #1b6648cc
 def device_line(summary: dict) -> str:
     "`cuda (NVIDIA H200; torch 2.11.0, CUDA 13.0)`: the device, and on a GPU its name and the versions (runs that recorded them)."
     dev, gpu = summary.get("device", "?"), summary.get("gpu")
@@ -562,9 +585,9 @@ def _setup_lines(run: Run, ref: Run | None, extra_setup: dict | None) -> list[st
     "The report's title-less 'Setup' section: the setup table and what is 8-bit."
     cfg, name = run.config, run.fmt or "reference"
     mw = cfg.get("master_weights", "fp32")
-    setup = dict(format=name, backward_format=cfg.get("fmt_backward") or name, rules=layer_formats_of(cfg) or "uniform",
+    setup = dict(format=name, backward_format=cfg.get("fmt_backward") or name, layer_formats=layer_formats_of(cfg) or "uniform",
                  scaling=f"{cfg.get('scaling')} / {cfg.get('granularity')}", rounding=cfg.get("rounding", "nearest"),
-                 master_weights=mw + (f" (update rule: {cfg.get('weight_update', 'nearest')})" if mw == "format" else ""),
+                 master_weights=mw + (f" (landing: {cfg.get('weight_update', 'nearest')})" if mw == "format" else ""),
                  optimizer=cfg.get("optimizer", "adamw"),
                  interventions=cfg.get("interventions"), steps=cfg.get("max_steps"), seed=cfg.get("seed"),
                  model=f"{cfg.get('n_layer')} layers × {cfg.get('n_embd')} wide, block {cfg.get('block_size')}, batch {cfg.get('batch_size')}",
@@ -573,6 +596,7 @@ def _setup_lines(run: Run, ref: Run | None, extra_setup: dict | None) -> list[st
         setup["optimizer"] += f" (the reference: {ref.config.get('optimizer', 'adamw')})"
     return ["## Setup", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in setup.items()] + ["", precision_note(run), ""]
 
+# %% ../nbs/30_report.ipynb #71fcda99
 def _results_lines(run: Run, ref: Run | None, S: dict, unigram: float | None) -> list[str]:
     "The 'Results' section: this run's numbers beside the reference's, the loss ratio and the progress lost."
     L = ["## Results", "", "| | this run | reference |", "|---|---|---|"]
@@ -596,6 +620,7 @@ def _results_lines(run: Run, ref: Run | None, S: dict, unigram: float | None) ->
     else: L += [f"Progress lost: not defined (the reference did not beat the unigram baseline {unigram:.4f}, or a loss is missing)."]
     return L + [""]
 
+# %% ../nbs/30_report.ipynb #9082f9e4
 def _stall_caption(on_grid: bool) -> str:
     return ("Fraction of weights whose 8-bit value did not move although the optimizer update was non-zero. "
             + ("The weights live on the 8-bit grid here, so a stalled update is lost."
@@ -603,6 +628,7 @@ def _stall_caption(on_grid: bool) -> str:
                "the FP32 copy and moves the code later): per-step stall reflects the learning rate and the grid spacing, "
                "not a failure; the lost update above is what reaches the weights."))
 
+# %% ../nbs/30_report.ipynb #dc8fe22e
 def _figure_lines(run: Run, ref: Run | None, fig_dir: Path) -> list[str]:
     "The figure sections (loss, gradient agreement, heat maps, code histograms), drawn into `fig_dir`, with their hot spots."
     figs = [("Loss", _save(plot_loss(run, ref, run.fmt or "reference"), fig_dir / "loss.png"),
@@ -630,6 +656,7 @@ def _figure_lines(run: Run, ref: Run | None, fig_dir: Path) -> list[str]:
                   if hs else "Zero in every layer and tensor for the whole run.", ""]
     return L
 
+# %% ../nbs/30_report.ipynb #d15fb3d5
 def _intervention_lines(run: Run) -> list[str]:
     ev, alerts = _events(run), [a for a in run.alerts if a.get("kind") == "intervention"]
     L = ["## Interventions", ""]
@@ -652,6 +679,7 @@ def _failure_lines(run: Run, out: Path) -> list[str]:
                 "- **Largest gradient L∞ norms just before:** " + (", ".join(f"{k[15:]} {fmt_num(v, '.3g')}" for k, v in fa["top_grad_norm"]) or "none logged"),
                 f"- **Failure checkpoint:** {rel_path(fa['checkpoint'], out) or 'none saved'}", ""]
 
+# %% ../nbs/30_report.ipynb #ba587cd7
 def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setup: dict | None = None,
                  unigram: float | None = None) -> Path:
     """Render `out_dir/report.md` and `out_dir/figures/*.png` for the run in `run_dir` against `ref_dir`.
@@ -665,7 +693,7 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
     L += _setup_lines(run, ref, extra_setup) + _results_lines(run, ref, S, unigram) + _figure_lines(run, ref, fig_dir)
     L += mechanism_section(run, fig_dir) + block_section(run, fig_dir) + _intervention_lines(run) + _failure_lines(run, out)
     L += ["## Verdict", "", f"Verdict: {S['verdict']}", "", S["reason"][0].upper() + S["reason"][1:] + ".", "",
-          "Criteria (seed 002): PASS = all steps run, final validation loss within 10% of the reference's and mean gradient "
+          "Criteria (requirement 002): PASS = all steps run, final validation loss within 10% of the reference's and mean gradient "
           "cosine over the 8-bit layers' weights above 0.9; FAIL at step N = non-finite loss (first NaN) or stopped early "
           "(final step); INVESTIGATE = anything else.", ""]
     p = out / "report.md"; p.write_text("\n".join(L))

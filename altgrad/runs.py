@@ -40,6 +40,7 @@ def keys(self: Run, prefix: str = "") -> list[str]:
     for r in self.metrics: ks.update(k for k in r if k.startswith(prefix))
     return sorted(ks)
 
+# %% ../nbs/17_runs.ipynb #1355e257
 @patch
 def series(self: Run, key: str) -> tuple[np.ndarray, np.ndarray]:
     "(steps, values) of the steps where `key` was logged as a number (non-finite values kept)."
@@ -79,6 +80,7 @@ def read_run_alerts(run_dir) -> list[dict]:
     d = Path(run_dir)
     return read_alerts(d) if (d / ALERTS_JSONL).exists() or (d / ALERTS_COMPACT).exists() else []
 
+# %% ../nbs/17_runs.ipynb #ca0c5bb0
 def read_summary(run_dir) -> dict | None:
     """The trainer's `summary.json` of `run_dir` (else the summary of its dataset row, `dataset_of`), or None when missing
     or unreadable (a run killed before it ended)."""
@@ -97,6 +99,7 @@ def layer_formats_of(cfg: dict) -> list:
     "The per-layer precision layout (`layer_formats`, `[[pattern, format-or-None], ...]`) of a run's config; [] when uniform."
     return current_keys(cfg).get("layer_formats") or []
 
+# %% ../nbs/17_runs.ipynb #f186e736
 def load_run(run_dir) -> Run:
     """Read a run folder written by `altgrad.trainer.Trainer` (metrics from `metrics.jsonl` or the compact `metrics.parquet`),
     or, where the folder holds no metrics, its row of the dataset above it (`dataset_of`; `write_dataset` packs one)."""
@@ -128,6 +131,7 @@ def read_steps(out):
     import pandas as pd
     return pd.read_parquet(Path(out) / STEPS_FILE)
 
+# %% ../nbs/17_runs.ipynb #bff2821d
 def _cached(kind: str, folder: Path, files: tuple, read):
     "`read(folder)`, read again only when one of `files` in `folder` changed (size or mtime)."
     def stamp(n):
@@ -145,6 +149,7 @@ def is_dataset(folder) -> bool:
 
 def _table(folder: Path) -> dict: return _cached("table", folder, (TABLE_PARQUET, TABLE), read_table)
 
+# %% ../nbs/17_runs.ipynb #768522ff
 def _read_steps_records(folder: Path) -> dict:
     "{row name: (metric records, alert records)} of a dataset folder (`steps.parquet`, `alerts.parquet`)."
     out = {}
@@ -163,6 +168,7 @@ def dataset_of(run_dir, depth: int = 4) -> tuple[Path, str] | None:
             if name in _table(a): return a, name
     return None
 
+# %% ../nbs/17_runs.ipynb #56eb8fa7
 def _dataset_run(run_dir, folder: Path, name: str) -> Run:
     "The `Run` of row `name` of the dataset in `folder` (fresh copies: a reader may change them), as if read from `run_dir`."
     row = _table(folder)[name]
@@ -245,6 +251,7 @@ def data_identity(data_dir) -> dict | None:
     ident = {s: (i.get("sha256"), i.get("tokens")) for s, i in (meta.get("splits") or {}).items() if isinstance(i, dict)}
     return ident or None
 
+# %% ../nbs/17_runs.ipynb #58f4262d
 def _data_diff(a, b) -> str | None:
     "Why data folders `a` (saved) and `b` (requested) are not the same data, or None."
     if a == b or (a and b and Path(a).resolve() == Path(b).resolve()): return None
@@ -263,6 +270,7 @@ def config_diff(saved, requested) -> list[str]:
     d = _data_diff(a.get("data_dir"), b.get("data_dir"))
     return out + ([d] if d else [])
 
+# %% ../nbs/17_runs.ipynb #2854ca53
 def config_reasons(run_dir, cfg) -> list[str]:
     """Why the run in `run_dir` is not a run of `cfg`: keys its config.yaml lacks (but renamed keys and keys added later
     with the default that reproduces what older runs did, `altgrad.config.missing_keys`), then `config_diff`."""
@@ -278,6 +286,7 @@ def same_config(run_dir, cfg) -> bool:
     "Is the run in `run_dir` a run of `cfg` (`config_reasons` finds no difference)?"
     return not config_reasons(run_dir, cfg)
 
+# %% ../nbs/17_runs.ipynb #b01af1fe
 def check_run(run_dir, cfg=None, accept=DONE) -> tuple:
     """`(Run, [])` when the run in `run_dir` can stand in for the requested `cfg`, else `(None, reasons)`.
 
@@ -296,7 +305,6 @@ def check_run(run_dir, cfg=None, accept=DONE) -> tuple:
     except Exception as e: return None, [f"per-step metrics missing or unreadable: {type(e).__name__}: {e}"]
     if not run.metrics: return None, ["the per-step metrics are empty"]
     return run, []
-
 
 # %% ../nbs/17_runs.ipynb #29a00019
 REUSED_FILE = "reused.json"
@@ -318,6 +326,7 @@ def find_writeups(path) -> list[Path]:
     if is_writeup(p): return [p]
     return [w for c in _subdirs(p) for w in find_writeups(c)]
 
+# %% ../nbs/17_runs.ipynb #23c31aa5
 def find_sweeps(path) -> list[Path]:
     "Every sweep folder at or below `path`, deepest first."
     p = Path(path)
@@ -335,6 +344,7 @@ def reuse_marker(dest) -> dict | None:
     m = read_json(Path(dest) / REUSED_FILE)
     return m if isinstance(m, dict) else None
 
+# %% ../nbs/17_runs.ipynb #490964b7
 def load_runs(out, names: list[str]) -> dict:
     "`{name: Run or None}` for the run folders `out/<name>/run` (a reused row: the run it reused; None: not run or incomplete)."
     res = {}
@@ -368,6 +378,7 @@ def _write_records(records: list[dict], path: Path) -> Path:
     os.replace(tmp, path)
     return path
 
+# %% ../nbs/17_runs.ipynb #ee77e35b
 def run_folders(folder) -> list[Path]:
     "Every run folder below `folder` (holding `config.yaml` and metrics), sorted; folders named `_*` or `.*` are skipped."
     f = Path(folder)
@@ -380,6 +391,7 @@ def _same_run(a: Run, b: Run) -> bool:
     return (same_records(a.metrics, b.metrics) and same_records(a.alerts, b.alerts)
             and all(js(getattr(a, k)) == js(getattr(b, k)) for k in ("summary", "config", "histograms")))
 
+# %% ../nbs/17_runs.ipynb #7f46de09
 def write_dataset(folder, runs=None, keep=None) -> dict:
     """Pack the run folders `runs` (default `run_folders(folder)`) into the dataset of `folder` (`runs.parquet`,
     `steps.parquet`, `alerts.parquet`); `keep`: glob patterns of the metric keys to keep (None: all). Every packed run is
@@ -419,6 +431,7 @@ def write_dataset(folder, runs=None, keep=None) -> dict:
     if differ: raise RuntimeError(f"{f}: {len(differ)} packed runs do not read back as their folders ({', '.join(differ[:3])}); please report this bug")
     return dict(runs=len(names), packed=len(new), columns=len({k for m in steps for k in m}) - 1)
 
+# %% ../nbs/17_runs.ipynb #08799ff2
 def packed_runs(folder) -> list[str]:
     "The rows of the dataset in `folder` whose run folder holds no metrics (read from the dataset alone)."
     f = Path(folder)

@@ -23,16 +23,16 @@ from .runs import check_run, same_config, load_run
 from .sweep import portable, resolve_preset
 
 # %% auto #0
-__all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER', 'REF_PRECISIONS', 'SEED_EXPECTATIONS',
-           'STUDY_KEYS', 'STUDY_DEFAULTS', 'INPUTS_FILE', 'RETIRED_DESIGN_COMMIT', 'DECISIVE_RULES', 'ANALYSIS_RULES',
-           'TUNING_SEEDS', 'HELDOUT_SEEDS', 'CHOICE_RULE', 'RUN_OVERHEAD_SECONDS', 'mult_label', 'parse_mults',
-           'lr_scale_for', 'distinct_formats', 'normalize_rules', 'StudyPlan', 'study_defaults', 'make_plan', 'RunSpec',
-           'reference_spec', 'format_spec', 'parse_shard', 'run_dir', 'spec_config', 'resumable', 'finalize_run',
-           'train_spec', 'claim_run', 'execute', 'collect_runs', 'json_safe', 'join_names', 'model_inputs',
-           'vocab_inputs', 'Protocol', 'make_protocol', 'decisive_plan', 'tuning_specs', 'choose_bracketed',
-           'bracket_grid', 'bracket_grids', 'decisive_lr_specs', 'decisive_seed_specs', 'decisive_choice', 'name_shard',
-           'check_inputs', 'write_decisive_inputs', 'decisive_command', 'decisive_estimate', 'estimate_text',
-           'measure_step_seconds', 'parse_step_seconds']
+__all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER', 'REF_PRECISIONS', 'REQUIRED_EXPECTATIONS',
+           'STUDY_KEYS', 'STUDY_DEFAULTS', 'INPUTS_FILE', 'RETIRED_DESIGN_COMMIT', 'DECISIVE_RULES',
+           'ANALYSIS_SETTINGS', 'TUNING_SEEDS', 'HELDOUT_SEEDS', 'CHOICE_RULE', 'RUN_OVERHEAD_SECONDS', 'mult_label',
+           'parse_mults', 'lr_scale_for', 'distinct_formats', 'normalize_rules', 'StudyPlan', 'study_defaults',
+           'make_plan', 'RunSpec', 'reference_spec', 'format_spec', 'parse_shard', 'run_dir', 'spec_config',
+           'resumable', 'finalize_run', 'train_spec', 'claim_run', 'execute', 'collect_runs', 'json_safe', 'join_names',
+           'model_inputs', 'vocab_inputs', 'Protocol', 'make_protocol', 'decisive_plan', 'tuning_specs',
+           'choose_bracketed', 'bracket_grid', 'bracket_grids', 'decisive_lr_specs', 'decisive_seed_specs',
+           'decisive_choice', 'name_shard', 'check_inputs', 'write_decisive_inputs', 'decisive_command',
+           'decisive_estimate', 'estimate_text', 'measure_step_seconds', 'parse_step_seconds']
 
 # %% ../nbs/32_study.ipynb #32a00005
 DISTINCT_FORMATS = ("E0M7", "E2M5", "E3M4", "E4M3", "E5M2", "E6M1", "E7M0")
@@ -40,7 +40,7 @@ DEFAULT_SEEDS = (42, 43, 44)
 STUDY_RULES = ("fp32", "nearest", "stochastic", "kahan", "madam", "lion")     # registry names: the default selection
 CONTROL, UPPER = "nearest", "fp32"          # every benefit is measured against CONTROL; UPPER keeps the weights off the grid
 REF_PRECISIONS = ("fp32", "bf16")
-SEED_EXPECTATIONS = tuple(research_choices()["expectations"])     # the seeds' hypotheses (altgrad/research.yaml)
+REQUIRED_EXPECTATIONS = tuple(research_choices()["expectations"])     # the requirements' hypotheses (altgrad/research.yaml)
 STUDY_KEYS = ("fmt", "fmt_backward", "layer_formats", "regime", "master_weights", "weight_update", "optimizer", "lr_scale",
               "residual_dtype", "max_steps", "seed", "shadow", "precision", "stop_on_nan", "interventions", "out_dir",
               "data_dir", "resume", "checkpoint_interval", "wandb_mode")
@@ -55,6 +55,7 @@ def mult_label(m: float) -> str:
     "Folder label of a learning-rate multiplier: 3 significant digits (`1/3` -> '0.333')."
     return f"{m:.3g}"
 
+# %% ../nbs/32_study.ipynb #aab085aa
 def parse_mults(text) -> list[float]:
     "`'1/3,1,3'` (fractions or decimals) or a list -> positive floats."
     items = [t.strip() for t in text.split(",") if t.strip()] if isinstance(text, str) else list(text)
@@ -68,6 +69,7 @@ def lr_scale_for(rule: str, mult: float) -> float:
     r = get_rule(rule)
     return float(f"{mult * (r.lr_scale if r.lr_scale is not None else default_lr_scale(r.optimizer)):.6g}")
 
+# %% ../nbs/32_study.ipynb #4903f935
 def distinct_formats(formats) -> tuple[list[str], dict]:
     """(formats without grid-equivalent duplicates, sorted by exponent bits; `{other format: the run format it equals}`
     for the dropped ones and for every registry format grid-equivalent to a kept one)."""
@@ -85,6 +87,7 @@ def distinct_formats(formats) -> tuple[list[str], dict]:
             if twin: equal[name] = twin
     return keep, equal
 
+# %% ../nbs/32_study.ipynb #a8443e9e
 def normalize_rules(rules=None) -> list[str]:
     "Registry names in the study's order (`STUDY_RULES` first, then the registry's); `fp32` and `nearest` always included."
     order = list(STUDY_RULES) + [r for r in UPDATE_RULES if r not in STUDY_RULES]
@@ -114,6 +117,7 @@ class StudyPlan:
     @classmethod
     def from_dict(cls, d: dict) -> StudyPlan: return cls(**d)
 
+# %% ../nbs/32_study.ipynb #a75fb823
 def study_defaults(preset: str) -> dict:
     "The study's defaults for `preset` (`STUDY_DEFAULTS`; a YAML preset: its max_steps, no shadow, multipliers 1/3, 1, 3)."
     p = resolve_preset(preset)
@@ -134,6 +138,7 @@ def _lr_formats(lr_formats, fmts: list, equal: dict, default) -> list:
     else: lf = [f for f in (default or fmts) if f in fmts] or list(fmts)
     return [f for f in fmts if f in lf]
 
+# %% ../nbs/32_study.ipynb #7823370a
 def make_plan(preset: str = "cpu", formats=None, rules=None, seeds=None, steps: int | None = None, lr_mults=None,
               lr_formats=None, shadow: bool | None = None, overrides: dict | None = None) -> StudyPlan:
     "Validate the study's settings (lists or comma-separated text; None: the preset's `study_defaults`) into a `StudyPlan`."
@@ -162,18 +167,19 @@ def make_plan(preset: str = "cpu", formats=None, rules=None, seeds=None, steps: 
 # %% ../nbs/32_study.ipynb #32a00010
 @dataclass(frozen=True)
 class RunSpec:
-    "One run of the matrix: `fmt=None` for a reference (then `rule` is its precision, 'fp32' or 'bf16')."
+    "One run of the matrix: an 8-bit run (`fmt`, its regime `rule`) or a reference (`fmt=None`, its `precision`: 'fp32' or 'bf16')."
     name: str
     phase: str
     seed: int
     fmt: str | None = None
     rule: str | None = None
     lr_mult: float | None = None
+    precision: str | None = None
 
 def reference_spec(seed: int, precision: str, mult: float = 1.0, phase: str = "lr") -> RunSpec:
     "A high-precision reference (`ref-<precision>-s<seed>` at ×1, `ref-<precision>-x<mult>-s<seed>` otherwise)."
     tag = "" if mult == 1.0 else f"-x{mult_label(mult)}"
-    return RunSpec(f"ref-{precision}{tag}-s{seed}", phase, seed, None, precision, mult)
+    return RunSpec(f"ref-{precision}{tag}-s{seed}", phase, seed, None, None, mult, precision)
 
 def format_spec(fmt: str, rule: str, seed: int, mult: float, phase: str = "seeds") -> RunSpec:
     "An 8-bit run: `<fmt>-<rule>-x<mult>-s<seed>`."
@@ -195,7 +201,7 @@ def spec_config(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: 
                   wandb_mode=wandb_mode, checkpoint_interval=plan.steps, layer_formats=[], interventions=False, stop_on_nan=True,
                   **plan.overrides)
     if spec.fmt is None:
-        return load_config(plan.preset, fmt=None, shadow=False, precision=spec.rule, lr_scale=lr_scale_for(UPPER, spec.lr_mult or 1.0), **common)
+        return load_config(plan.preset, fmt=None, shadow=False, precision=spec.precision, lr_scale=lr_scale_for(UPPER, spec.lr_mult or 1.0), **common)
     regime = {k: v for k, v in get_rule(spec.rule).overrides().items() if k != "lr_scale"}
     return load_config(plan.preset, fmt=spec.fmt, shadow=plan.shadow, lr_scale=lr_scale_for(spec.rule, spec.lr_mult), **regime, **common)
 
@@ -203,6 +209,7 @@ def resumable(d, cfg) -> bool:
     "Does `d` hold an interrupted run of `cfg` (the trainer's `run_state`: unfinished, with a checkpoint) that the trainer can continue?"
     return run_state(d)[0] == "interrupted" and same_config(d, cfg)
 
+# %% ../nbs/32_study.ipynb #5f713ff4
 def finalize_run(d) -> Path:
     """A finished run folder made complete and light: the compact run format read through totals only
     (`tracking.compact_run(layers=False)`: ~15 KB a run), no checkpoints, no W&B folder."""
@@ -226,6 +233,7 @@ def train_spec(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: s
     if run is None: raise RuntimeError(f"{spec.name}: the trainer did not leave a complete run in {d}: {'; '.join(why)}")
     return run
 
+# %% ../nbs/32_study.ipynb #e75746be
 def _triage(plan: StudyPlan, specs: list, out, data_dir: str, wandb_mode: str, cache: dict, log) -> list:
     "The `(spec, resume)` pairs still to train: finished runs go to `cache`; each other folder there says why it is not reused."
     todo = []
@@ -241,6 +249,7 @@ def _triage(plan: StudyPlan, specs: list, out, data_dir: str, wandb_mode: str, c
         todo.append((sp, res))
     return todo
 
+# %% ../nbs/32_study.ipynb #3a6bb918
 class claim_run:
     """An exclusive claim on training run `name` of study folder `out`: a `flock` on `out/.claims/<name>.lock`, released when
     the block ends or the process dies. `bool(claim)` is False when another process holds it (that process trains the run);
@@ -258,6 +267,7 @@ class claim_run:
         if self.held: fcntl.flock(self.f, fcntl.LOCK_UN)
         self.f.close()
 
+# %% ../nbs/32_study.ipynb #86dd66b7
 def _train_claimed(plan: StudyPlan, sp, out, data_dir: str, wandb_mode: str, cache: dict, wait: bool = False) -> str:
     "Train run `sp` under its claim: 'trained', 'reused' (another process finished it meanwhile) or 'busy' (claimed elsewhere)."
     with claim_run(out, sp.name, wait) as mine:
@@ -267,6 +277,7 @@ def _train_claimed(plan: StudyPlan, sp, out, data_dir: str, wandb_mode: str, cac
         cache[sp.name] = train_spec(plan, sp, out, data_dir, wandb_mode, resume=again[0][1])
         return "trained"
 
+# %% ../nbs/32_study.ipynb #c646113c
 def execute(plan: StudyPlan, specs: list, out, data_dir: str, wandb_mode: str = "disabled", desc: str = "study",
             cache: dict | None = None, log=print, wait: bool = False) -> dict:
     """Train (or resume) the `specs` not already finished in `out` (progress bar over runs); `{'reused', 'trained', 'busy', 'runs'}`
@@ -296,6 +307,7 @@ def execute(plan: StudyPlan, specs: list, out, data_dir: str, wandb_mode: str = 
     finally: bar.close()
     return n
 
+# %% ../nbs/32_study.ipynb #042fa0fa
 def collect_runs(plan: StudyPlan, specs: list, sources, out, data_dir: str, wandb_mode: str = "disabled",
                  cache: dict | None = None, log=print) -> dict:
     "Copy into `out/runs/` each spec's run from the first source folder holding a reusable one; `{'present', 'copied', 'missing'}`."
@@ -358,7 +370,7 @@ def vocab_inputs(plan: StudyPlan, data) -> dict:
 
 # %% ../nbs/32_study.ipynb #32h851db
 DECISIVE_RULES = ("fp32", "nearest", "stochastic", "kahan", "madam")
-ANALYSIS_RULES = dict(    # how the answer reads the held-out runs; written into the study's inputs before the seed phase
+ANALYSIS_SETTINGS = dict(    # how the answer reads the held-out runs; written into the study's inputs before the seed phase
     headline="the format × grid-aware rule cell with the largest mean held-out benefit over nearest (one of m cells): its 95% "
              "t-interval, a simultaneous (Bonferroni, 1 − 0.05/m) interval, and Holm's p over the m cells; it is 'resolved' "
              "only when Holm's p < 0.05",
@@ -373,6 +385,7 @@ TUNING_SEEDS, HELDOUT_SEEDS = (42, 43, 44), (45, 46, 47, 48, 49, 50)
 CHOICE_RULE = ("per regime, the multiplier with the fewest failed tuning runs, then the lowest mean final validation loss over "
                "every format and tuning seed; ties go to the smaller multiplier")
 
+# %% ../nbs/32_study.ipynb #4f5227a0
 @dataclass
 class Protocol:
     "The decisive study's protocol: which seeds tune, which seeds measure, how the learning-rate grid is bracketed."
@@ -389,6 +402,7 @@ class Protocol:
     @classmethod
     def from_dict(cls, d: dict) -> Protocol: return cls(**d)
 
+# %% ../nbs/32_study.ipynb #ab282cd5
 def make_protocol(tuning_seeds=None, heldout_seeds=None, base_mults=None, max_extensions: int = 2, sensitivity: str | None = None) -> Protocol:
     "Validate a `Protocol` (lists or comma-separated text; None: 42-44 tune, 45-50 measure, ×1/3, ×1, ×3, two extensions)."
     def ints(v, default, what):
@@ -425,6 +439,7 @@ def choose_bracketed(plan: StudyPlan, proto: Protocol, rule: str, mults, losses:
     key = lambda m: (len(rows[mult_label(m)]["failed"]), rows[mult_label(m)]["mean_loss"] if rows[mult_label(m)]["mean_loss"] is not None else math.inf, m)
     return dict(mult=min(mults, key=key), table=rows)
 
+# %% ../nbs/32_study.ipynb #7c0f5732
 def bracket_grid(plan: StudyPlan, proto: Protocol, rule: str, losses: dict) -> dict:
     """The grid of `rule` given the finished tuning runs `losses` (`{name: loss or None}`, absent: not run yet):
     `{'mults' (in order of addition), 'status': pending | bracketed | unbracketed | single, 'mult', 'table'}`."""
@@ -445,6 +460,7 @@ def decisive_lr_specs(plan: StudyPlan, proto: Protocol, grids: dict) -> list[Run
     "Every tuning run of the current grids."
     return [s for r in plan.rules for s in tuning_specs(plan, proto, r, grids[r]["mults"])]
 
+# %% ../nbs/32_study.ipynb #144a411a
 def decisive_seed_specs(plan: StudyPlan, proto: Protocol, mults: dict) -> list[RunSpec]:
     "Held-out seeds: both references at FP32 master weights' multiplier, every format × regime at the regime's multiplier."
     out = [reference_spec(s, p, mults[UPPER], "seeds") for s in proto.heldout_seeds for p in REF_PRECISIONS]
@@ -473,20 +489,22 @@ def check_inputs(out, inputs: dict) -> None:
             diff = [f"{q}: {old[k].get(q)!r} there, {inputs[k].get(q)!r} here" for q in inputs[k] if old[k].get(q) != inputs[k].get(q)]
             raise ConfigError(f"{p} fixed another {k} ({'; '.join(diff) or 'different keys'}); use another --out or the same options")
 
+# %% ../nbs/32_study.ipynb #470df700
 def write_decisive_inputs(out, plan: StudyPlan, proto: Protocol, data, data_dir, choice: dict | None, step_seconds: dict | None = None) -> Path:
     """Write `out/study_inputs.json` for the decisive protocol (`choice`: None before the seed phase).
 
     A learning-rate choice, once written, is kept (a shard that has not seen it yet passes None) and never replaced by
     a different one: every process derives it from the same finished tuning runs, so a difference is an error."""
     inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), **vocab_inputs(plan, data), lr_choice=json_safe(choice),
-                  analysis=ANALYSIS_RULES, out=portable(out), command=decisive_command(plan, proto, portable(out), data_dir),
-                  **model_inputs(plan), expectations=list(SEED_EXPECTATIONS), step_seconds=step_seconds)
+                  analysis=ANALYSIS_SETTINGS, out=portable(out), command=decisive_command(plan, proto, portable(out), data_dir),
+                  **model_inputs(plan), expectations=list(REQUIRED_EXPECTATIONS), step_seconds=step_seconds)
     check_inputs(out, inputs)
     p = Path(out) / INPUTS_FILE
     with open(Path(out) / ".study_inputs.lock", "w") as lock:     # shards share the folder: read, merge and write as one
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _merge_inputs(p, inputs, choice, step_seconds)
 
+# %% ../nbs/32_study.ipynb #c3918baa
 def _merge_inputs(p: Path, inputs: dict, choice, step_seconds) -> Path:
     "Write `inputs` to `p`, keeping a learning-rate choice (and step times) already there; refuse a different choice."
     old = json.loads(p.read_text()) if p.exists() else {}
@@ -499,6 +517,7 @@ def _merge_inputs(p: Path, inputs: dict, choice, step_seconds) -> Path:
     atomic_write_text(json.dumps(json_safe(inputs), indent=1) + "\n", p)
     return p
 
+# %% ../nbs/32_study.ipynb #3e895211
 def decisive_command(plan: StudyPlan | dict, proto: Protocol | dict, out, data_dir: str | None = None) -> str:
     "The `altgrad-study --design decisive` command that trains (or reuses) exactly this study."
     p, q = (x if isinstance(x, dict) else x.to_dict() for x in (plan, proto))
@@ -523,7 +542,7 @@ def decisive_estimate(plan: StudyPlan, proto: Protocol, step_seconds: dict, shar
     miss = [k for k in [*plan.rules, *(f"reference_{p}" for p in REF_PRECISIONS)] if k not in step_seconds]
     if miss: raise ConfigError(f"step times missing for {', '.join(miss)}; give them all (e.g. --step-seconds fp32=0.3,...)")
     over = step_seconds.get("overhead", RUN_OVERHEAD_SECONDS)     # measured by `measure_step_seconds`
-    per = lambda s: plan.steps * step_seconds[s.rule if s.fmt else f"reference_{s.rule}"] + over
+    per = lambda s: plan.steps * step_seconds[s.rule if s.fmt else f"reference_{s.precision}"] + over
     ones = {r: 1.0 for r in plan.rules}
     base = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults)] + decisive_seed_specs(plan, proto, ones)
     ext = [s for r in plan.rules for s in tuning_specs(plan, proto, r, [1.0] * proto.max_extensions)]
@@ -539,6 +558,7 @@ def estimate_text(e: dict) -> str:
          + ", ".join(f"{k} {v:.3g} s" for k, v in e["step_seconds"].items()))
     return s + (f"\n[altgrad-study] over the {e['limit_hours']:g} h limit: cut regimes or the rate grid before seeds" if e["over"] else "")
 
+# %% ../nbs/32_study.ipynb #a43cfee9
 def measure_step_seconds(plan: StudyPlan, data_dir: str, steps: int = 8, fmt: str = "E4M3") -> dict:
     """Median step seconds of each regime (on `fmt`) and of both references, and `overhead`: the median seconds of a run
     beyond its steps (start-up, evaluations, writing its folder); `steps`-step runs in a temporary folder."""
@@ -550,7 +570,7 @@ def measure_step_seconds(plan: StudyPlan, data_dir: str, steps: int = 8, fmt: st
         for sp in specs:
             Trainer(spec_config(short, sp, tmp, data_dir), progress=False).fit()
             s = load_run(run_dir(tmp, sp.name)).summary
-            out[sp.rule if sp.fmt else f"reference_{sp.rule}"] = s["step_time"]
+            out[sp.rule if sp.fmt else f"reference_{sp.precision}"] = s["step_time"]
             over.append(max(0.0, s["seconds"] - steps * s["step_time"]))
     return {**out, "overhead": float(np.median(over))}
 

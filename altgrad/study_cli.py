@@ -111,6 +111,7 @@ def count_finished(out, seen: set | None = None) -> int:
         if run_status(p.parent) in DONE: seen.add(p.parent.name)
     return len(seen)
 
+# %% ../nbs/37_study_cli.ipynb #0084d547
 def shard_commands(argv, n: int) -> list[list[str]]:
     "The N processes of `--jobs N`: this command (`argv`) as shard i/N sharing the work (the last `--jobs` given counts)."
     exe = [sys.executable, "-c", "import sys; from altgrad.study_cli import study_cli; sys.exit(study_cli(sys.argv[1:]))"]
@@ -127,6 +128,7 @@ def run_jobs(argv, n: int, out, cpu: bool, total: int = 0) -> dict:
     jobs = [Job(f"shard {i}/{n}", cmd, out / ".jobs" / f"shard-{i}.log") for i, cmd in enumerate(shard_commands(argv, n))]
     return run_pool(jobs, n, job_env(cpu), count=count, desc="study runs finished", prefix="[altgrad-study]", poll=0.5)
 
+# %% ../nbs/37_study_cli.ipynb #012706da
 def train_in_jobs(a, argv, plan: StudyPlan, total: int) -> int | None:
     """`--jobs N` (parsed options `a`): train the study in N processes (`run_jobs`) before the unsharded command writes it;
     an exit code (130 / 143) when interrupted, else None (a failed process is named; what it left is trained unsharded)."""
@@ -191,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--limit-hours", type=float, default=6.0, help="wall-time limit for --estimate (default 6)")
     return p
 
+# %% ../nbs/37_study_cli.ipynb #fe852eb7
 def _decisive_cli(a, ov, argv=()) -> int:
     "The decisive design's part of `study_cli` (`argv`: the command's arguments, for `--jobs`)."
     proto = make_protocol(a.tuning_seeds, a.heldout_seeds, a.lr_mults, a.max_extensions, a.sensitivity)
@@ -215,6 +218,7 @@ def _decisive_cli(a, ov, argv=()) -> int:
     if r["answer"]: print(r["answer"])
     return 0
 
+# %% ../nbs/37_study_cli.ipynb #b42bbcc6
 def study_cli(argv: list[str] | None = None) -> int:
     "`altgrad-study --preset study --out outputs/study [--formats ..] [--rules ..] [--steps N] [--shard i/n | --collect DIR ..] [--report-only] [--jobs N]`"
     argv = sys.argv[1:] if argv is None else [str(x) for x in argv]
@@ -226,4 +230,3 @@ def study_cli(argv: list[str] | None = None) -> int:
         return _decisive_cli(a, parse_overrides(a.set), argv)
     except (ValueError, FileNotFoundError) as e:
         print(f"altgrad-study: {e}", file=sys.stderr); return 2
-

@@ -11,7 +11,7 @@ import yaml
 import torch
 from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides, research_choices
 from .formats import get_format, grid_equivalent, equivalent_formats
-from .block_gemm import canonical_format
+from .block_gemm import canonical_format, is_block_format
 from .data import prepare_eurlex, shared_data_dir, load_meta, unigram_baseline
 from .optim import OPTIMIZERS, default_lr_scale
 from .trainer import Trainer, Interrupted
@@ -23,18 +23,18 @@ from .pool import JobsInterrupted, Job, run_pool, job_env, runs_on_cpu, one_thre
 from .matrix import write_matrix
 
 # %% auto #0
-__all__ = ['RETRIES', 'SEED_ORDER', 'POST_LN_LAYER_FORMATS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'WRITEUP_FILES',
+__all__ = ['RETRIES', 'REQUIRED_ORDER', 'POST_LN_LAYER_FORMATS', 'NOT_IN_REFERENCE', 'SWEEP_KEYS', 'WRITEUP_FILES',
            'NOTEBOOK_OVERRIDE_PARAMS', 'resolve_preset', 'run_name', 'reference_overrides', 'reference_dir',
            'ensure_data', 'train', 'RunConflict', 'run_plan', 'job_plan', 'reference_config', 'reference_conflict',
            'reference_run', 'format_config', 'grid_key', 'set_aside', 'reuse_note', 'mark_reused', 'RetryRefused',
            'hot_layers', 'retry_layout', 'find_notebook', 'portable', 'notebook_params', 'run_notebook',
-           'check_overrides', 'settings_note', 'sweep_setup', 'refuse_conflicts', 'run_sweep', 'conflict_message',
-           'grid_rules', 'update_rule_overrides', 'matrix_note', 'sweep_cli', 'train_format', 'pool_plan',
-           'retry_specs', 'sweep_job', 'sweep_on_cpu', 'train_concurrently']
+           'sweep_formats', 'check_overrides', 'settings_note', 'sweep_setup', 'refuse_conflicts', 'run_sweep',
+           'conflict_message', 'grid_rules', 'update_rule_overrides', 'matrix_note', 'sweep_cli', 'train_format',
+           'pool_plan', 'retry_specs', 'sweep_job', 'sweep_on_cpu', 'train_concurrently']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
 RETRIES = research_choices()["retries"]                     # per-format retry policies (altgrad/research.yaml)
-SEED_ORDER = research_choices()["run_order"]
+REQUIRED_ORDER = research_choices()["run_order"]
 POST_LN_LAYER_FORMATS = RETRIES["E1M6"]["layer_formats"]    # the E1M6 retry's layout (named by tests and tools)
 NOT_IN_REFERENCE = ("fmt", "fmt_backward", "scaling", "granularity", "block_size_q", "amax_history_len", "amax_algo",
                     "master_weights", "quantize_grads", "rounding", "margin", "weight_update", "residual_dtype", "layer_formats",
@@ -52,11 +52,11 @@ def resolve_preset(preset: str) -> str:
 def run_name(fmt: str | None, tag: str = "") -> str:
     return (fmt or "reference") + (f"-{tag}" if tag else "")
 
-
 def reference_overrides(overrides: dict | None) -> dict:
     "The part of the sweep's config `overrides` that applies to the standard high-precision reference (none of `NOT_IN_REFERENCE`)."
     return {k: v for k, v in (overrides or {}).items() if k not in NOT_IN_REFERENCE}
 
+# %% ../nbs/31_sweep.ipynb #5bae7a93
 def _tag(d: dict) -> str:
     "A folder-name-safe text of `{key: value}` (a hash when long)."
     t = ",".join(f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in sorted(d.items()))
@@ -75,6 +75,7 @@ def reference_dir(out, preset: str, seed: int, steps: int, **overrides) -> Path:
     label = Path(p).stem if ("/" in p or p.endswith((".yaml", ".yml"))) else p
     return Path(out) / "_reference" / (f"{label}-s{seed}-n{steps}" + (f"-{_tag(diff)}" if diff else ""))
 
+# %% ../nbs/31_sweep.ipynb #8c1724f0
 def ensure_data(data_dir: str | None, out) -> str:
     "A prepared EurLex folder: `data_dir` if given, else `out/_data/eurlex` prepared from the local sample (instant when done)."
     if data_dir:
@@ -136,6 +137,7 @@ def reference_conflict(d, why: list[str]) -> RunConflict:
     return RunConflict(f"{d} holds a reference run of another config ({'; '.join(why)}): pass --force (force=True) "
                        "to train it again in its place, or use another output folder")
 
+# %% ../nbs/31_sweep.ipynb #4af9b7e3
 def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, data_dir: str | None = None,
                   wandb_mode: str = "auto", force: bool = False, **overrides) -> Path:
     "Train (or reuse, see `check_run`) the high-precision reference run; returns its folder. `overrides` in `NOT_IN_REFERENCE` are dropped."
@@ -151,6 +153,7 @@ def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, d
     if d.exists(): shutil.rmtree(d)
     train(cfg); return d
 
+# %% ../nbs/31_sweep.ipynb #2d837e5e
 def format_config(fmt: str, out, preset: str = "auto", seed: int = 42, steps: int | None = None, data_dir: str | None = None,
                   layer_formats=None, tag: str = "", interventions: bool = False, master_weights: str = "fp32",
                   stop_on_nan: bool = True, shadow: bool = True, wandb_mode: str = "auto", **overrides):
@@ -186,6 +189,7 @@ def set_aside(dest) -> Path | None:
     for p in items: shutil.move(str(p), str(to / p.name))
     return to
 
+# %% ../nbs/31_sweep.ipynb #63e0c19a
 def reuse_note(name: str, source: str, k: int) -> str:
     "The summary line of a run that reused another's (`k`: grid of `name` = 2^k x grid of `source`)."
     return f"{name}: same grid as {source} up to 2^{k} ({name} = 2^{k} × {source}); run reused"
@@ -196,6 +200,7 @@ def _clear(dest: Path, what=_RUN_ARTIFACTS + (REUSED_FILE,)):
         if p.is_dir(): shutil.rmtree(p)
         elif p.exists(): p.unlink()
 
+# %% ../nbs/31_sweep.ipynb #6be51759
 def mark_reused(dest, name: str, source: str, fmt: str, source_fmt: str) -> dict:
     "Make `dest` (= out/<name>) a marker of the run `source` (its run and write-up artifacts are removed)."
     dest = Path(dest); k = grid_equivalent(fmt, source_fmt)
@@ -215,6 +220,7 @@ def mark_reused(dest, name: str, source: str, fmt: str, source_fmt: str) -> dict
 class RetryRefused(ValueError):
     "A retry layout that would leave too few linear layers in 8-bit to say anything about the format."
 
+# %% ../nbs/31_sweep.ipynb #fb0f7067
 def hot_layers(run_dir, overflow_threshold: float = 0.01, stall_threshold: float = 0.5, lost_threshold: float = 0.5) -> list[str]:
     """Layers of a run (folder or `Run`) whose overflow (any of W, A, G) crossed `overflow_threshold`, whose updates were
     lost (mean `stall/<layer>` > `stall_threshold` with weights on the grid, else mean `lost_update/<layer>` > `lost_threshold`),
@@ -239,10 +245,11 @@ def hot_layers(run_dir, overflow_threshold: float = 0.01, stall_threshold: float
     if o: hot |= {n for n in names if n in o or o.startswith(n)}
     return sorted(hot)
 
+# %% ../nbs/31_sweep.ipynb #db3f9f5e
 def retry_layout(fmt: str, run_dir, n_layer: int | None = None, min_8bit: float = 0.5) -> tuple[str, list]:
     "(tag, layer_formats) of the retry of a failed uniform run of `fmt`; `RetryRefused` when under `min_8bit` of the linear layers would stay 8-bit."
     run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
-    fmt = get_format(fmt).name
+    fmt = canonical_format(fmt)
     if fmt in RETRIES: tag, layout = RETRIES[fmt]["tag"], RETRIES[fmt]["layer_formats"]
     else:
         hot = hot_layers(run)
@@ -273,7 +280,7 @@ def portable(path) -> str:
     p, cwd = Path(path).resolve(), Path.cwd().resolve()
     return str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p)
 
-
+# %% ../nbs/31_sweep.ipynb #510f5266
 def notebook_params(fmt: str, out, preset: str = "auto", steps: int | None = None, seed: int = 42, layer_formats=None, tag: str = "",
                     interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
                     data_dir: str = "", wandb_mode: str = "auto", overrides: dict | None = None) -> dict:
@@ -288,6 +295,7 @@ def notebook_params(fmt: str, out, preset: str = "auto", steps: int | None = Non
     if ov: params["overrides"] = json.dumps(ov)
     return params
 
+# %% ../nbs/31_sweep.ipynb #4d5eae54
 def run_notebook(fmt: str, out, preset: str = "auto", steps: int | None = None, seed: int = 42, layer_formats=None, tag: str = "",
                  interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
                  data_dir: str = "", wandb_mode: str = "auto", progress: bool = False, overrides: dict | None = None,
@@ -307,6 +315,20 @@ def run_notebook(fmt: str, out, preset: str = "auto", steps: int | None = None, 
                         progress_bar=progress, cwd=str(Path.cwd()), kernel_name="python3")
     return dest / "report.md"
 
+# %% ../nbs/31_sweep.ipynb #0348f6bd
+def sweep_formats(names, master_weights: str = "fp32") -> list[str]:
+    "The registered names of a sweep's `names` (element formats or block recipes); ConfigError for a bad one."
+    fmts = []
+    for n in (str(n).strip() for n in names):
+        if not n: continue
+        try: fmts.append(canonical_format(n))
+        except ValueError as e: raise ConfigError(f"--formats: {e}") from None
+    recipes = [f for f in fmts if is_block_format(f)]
+    if recipes and master_weights != "fp32":
+        raise ConfigError(f"--formats {','.join(recipes)} (block recipes) with --master-weights {master_weights}: a block "
+                          "recipe quantizes each GEMM from FP32 master weights; use --master-weights fp32")
+    return fmts
+
 # %% ../nbs/31_sweep.ipynb #387bc5a7
 def check_overrides(overrides: dict) -> dict:
     "Validate sweep config `overrides`: known keys, not one the sweep sets itself (`SWEEP_KEYS`)."
@@ -315,6 +337,7 @@ def check_overrides(overrides: dict) -> dict:
     if bad: raise ConfigError(f"the sweep sets these keys itself, they cannot be overridden: {', '.join(bad)}")
     return overrides
 
+# %% ../nbs/31_sweep.ipynb #33481c4e
 def settings_note(cfg, master_weights: str = "fp32", interventions: bool = False, overrides: dict | None = None) -> str:
     "The paragraph(s) of `summary.md` that state what every run of the sweep shares (`cfg`: one format run's config)."
     g = lambda k, d: getattr(cfg, k, d)
@@ -330,15 +353,16 @@ def settings_note(cfg, master_weights: str = "fp32", interventions: bool = False
            " (the reference, the standard high-precision run, gets those that change the problem: not the 8-bit keys, not the optimizer)." if ov else "Config overrides: none (preset defaults).")
     nan = ("NaN policy: interventions on, so runs continue through non-finite steps (skipped) until "
            f"{g('nan_patience', 10)} in a row; the NaN-triggered exponent shift needs 3." if interventions else
-           "NaN policy: stop at the first non-finite step (the seeds' failure study).")
+           "NaN policy: stop at the first non-finite step (the requirements' failure study).")
     return "\n\n".join([mw, rule, ovt, nan])
 
+# %% ../nbs/31_sweep.ipynb #00edf1de
 def sweep_setup(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None, interventions: bool = False,
                 data_dir: str = "", wandb_mode: str = "auto", master_weights: str = "fp32", overrides: dict | None = None) -> tuple:
     "`(out, formats, common, overrides)` of a sweep: its folder made, overrides checked, format names, data prepared, the keywords every run shares."
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     overrides = check_overrides(dict(overrides or {}))
-    formats = [get_format(f).name for f in (formats or SEED_ORDER)]
+    formats = sweep_formats(formats or REQUIRED_ORDER, master_weights)
     data_dir = ensure_data(data_dir or None, out)
     common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode,
                   master_weights=master_weights, stop_on_nan=not interventions)
@@ -352,10 +376,11 @@ def refuse_conflicts(out, formats, common: dict, overrides: dict) -> None:
         if action == "conflict" and not ((dest / REUSED_FILE).exists() and not (dest / "run").exists()):
             raise RunConflict(conflict_message(run_name(fmt), dest, why))
 
+# %% ../nbs/31_sweep.ipynb #8ed4ca80
 def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None, retry: bool = True,
               interventions: bool = False, data_dir: str = "", wandb_mode: str = "auto", force: bool = False,
               master_weights: str = "fp32", overrides: dict | None = None, jobs: int = 1, pooled=None) -> Path:
-    """Reference, then every format in the seeds' order (with retries); writes `out/summary.md`.
+    """Reference, then every format in the requirements' order (with retries); writes `out/summary.md`.
 
     A run already in `out` is reused when `check_run` allows (same resolved config, complete files) unless `force`, and an
     interrupted run of the same config is resumed, so an interrupted sweep continues where it stopped; a finished or
@@ -425,6 +450,7 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
         write_summary(out, names, ref, resolve_preset(preset), steps, seed, note, uni, notes, loaded)
     return write_summary(out, names, ref, resolve_preset(preset), steps, seed, note, uni, notes, loaded)
 
+# %% ../nbs/31_sweep.ipynb #a4ff4722
 def conflict_message(name: str, run_dir, why: list[str]) -> str:
     "The one line that refuses to replace the run in `run_dir` (another config: `why`)."
     return (f"{name}: {run_dir} holds a run of another config ({'; '.join(why[:3])}{' ...' if len(why) > 3 else ''}): "
@@ -446,6 +472,7 @@ def update_rule_overrides(rules: str, overrides: dict) -> dict:
     if clash: raise ConfigError(f"--update-rules sets {' and '.join(clash)} itself: drop --{clash[0].replace('_', '-')}")
     return {n: {**overrides, **ov} for n, ov in per.items()}
 
+# %% ../nbs/31_sweep.ipynb #483cd226
 def matrix_note(preset: str, steps: int, seed: int, overrides: dict, formats) -> str:
     "The settings paragraph of a rule matrix (see `altgrad.matrix`)."
     c = load_config(resolve_preset(preset), **{k: v for k, v in overrides.items() if k not in ("optimizer", "weight_update")})
@@ -457,12 +484,14 @@ def matrix_note(preset: str, steps: int, seed: int, overrides: dict, formats) ->
             + ". Each column is one `altgrad-sweep` folder; every cell's write-up is `<rule>/<format>/report.md`. "
             "One seed: a description of this run, not evidence about formats (see `altgrad-study`).")
 
+# %% ../nbs/31_sweep.ipynb #73b75811
 def sweep_cli(argv: list[str] | None = None) -> int:
     "`altgrad-sweep --preset PRESET --out DIR [--steps N] [--seed S] [--formats E5M2,E3M4] [--no-retry] [--optimizer O] [--update-rules all] [--set key=value] [--jobs N]`"
     p = argparse.ArgumentParser(prog="altgrad-sweep", description="Train every 8-bit format and write DIR/summary.md")
     p.add_argument("--preset", default="auto"); p.add_argument("--out", default="outputs")
     p.add_argument("--steps", type=int, default=500); p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--formats", default=",".join(SEED_ORDER)); p.add_argument("--no-retry", action="store_true")
+    p.add_argument("--formats", default=",".join(REQUIRED_ORDER), help="comma-separated element formats (E4M3, ...) "
+                   "or block recipes (mxfp8, nvfp4, ...; FP32 master weights only)"); p.add_argument("--no-retry", action="store_true")
     p.add_argument("--interventions", action="store_true", help="interventions on (runs then continue through NaN steps)")
     p.add_argument("--data-dir", default=""); p.add_argument("--wandb-mode", default="auto")
     p.add_argument("--force", action="store_true", help="train again runs already in --out (finished, or of another config)")
@@ -484,7 +513,7 @@ def sweep_cli(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.jobs < 1: raise ConfigError(f"--jobs {a.jobs}: give the number of concurrent runs, 1 or more")
-        fmts = [get_format(f.strip()).name for f in a.formats.split(",") if f.strip()]
+        fmts = sweep_formats(a.formats.split(","), a.master_weights)
         overrides = parse_overrides(a.set)
         for k in NOTEBOOK_OVERRIDE_PARAMS:
             v = getattr(a, k)
@@ -543,6 +572,7 @@ def _spec(kind: str, name: str, out, common: dict, overrides: dict, **kw) -> dic
     return dict(dict(kind=kind, name=name, id=name if kind == "reference" else f"{name}:{kind}", out=str(out), common=common,
                      overrides=overrides, fmt=None, layout=None, tag="", force=False, aside=False, trains=True, after=[]), **kw)
 
+# %% ../nbs/31_sweep.ipynb #955ae1f1
 def _format_specs(out, fmt: str, common: dict, overrides: dict, keys: dict, force: bool = False, layout=None, tag: str = "",
                   ref_after=()) -> tuple[str, list]:
     "(name of the run that `fmt` with `layout` uses, the processes that make it and its write-up); `keys`: grid_key -> name so far."
@@ -561,6 +591,7 @@ def _format_specs(out, fmt: str, common: dict, overrides: dict, keys: dict, forc
     if not ref_after: return name, [spec("notebook", force=force, aside=aside)]
     return name, [spec("train", force=force, aside=aside), spec("notebook", after=[*ref_after, f"{name}:train"], trains=False)]
 
+# %% ../nbs/31_sweep.ipynb #4003fdb1
 def pool_plan(out, formats, common: dict, overrides: dict, force: bool = False) -> dict:
     """The processes `--jobs` starts for one sweep (`sweep_setup`'s `out, formats, common, overrides`) before its sequential
     pass, in start order: 'reference' (`reference_run`) unless the reference is reusable (a reference of another config:
@@ -579,6 +610,7 @@ def pool_plan(out, formats, common: dict, overrides: dict, force: bool = False) 
         jobs += specs
     return dict(jobs=jobs, keys=keys, source=source, reference=Path(rc.out_dir), out=out, common=common, overrides=overrides, force=force)
 
+# %% ../nbs/31_sweep.ipynb #655c0ffd
 def retry_specs(plan: dict, fmt: str, ref_run=None) -> list:
     """The process of `fmt`'s retry, decided as the sequential pass decides it (verdict not PASS, then `retry_layout`), once
     the run `fmt` uses (`plan['source']`) and the reference are finished; [] for none (a PASS, a refused layout, a retry
@@ -591,6 +623,7 @@ def retry_specs(plan: dict, fmt: str, ref_run=None) -> list:
     except RetryRefused: return []
     return _format_specs(out, fmt, plan["common"], plan["overrides"], plan["keys"], plan["force"], layout, tag)[1]
 
+# %% ../nbs/31_sweep.ipynb #5dd611ea
 def sweep_job(spec: dict) -> int:
     "The body of one process of a sweep's pool (`pool_plan`'s spec): 'reference', 'train' (`train_format`) or 'notebook' (`run_notebook`)."
     signal.signal(signal.SIGTERM, signal.default_int_handler)   # the pool's SIGTERM as Ctrl-C: papermill interrupts its kernel, the run checkpoints
@@ -611,6 +644,7 @@ def sweep_on_cpu(sweep: dict) -> bool:
     return runs_on_cpu(load_config(resolve_preset(sweep.get("preset", "auto")), master_weights=sweep.get("master_weights", "fp32"),
                                    **(sweep.get("overrides") or {})))
 
+# %% ../nbs/31_sweep.ipynb #606c561c
 def train_concurrently(sweeps: list[dict], jobs: int, retry: bool = True, force: bool = False) -> dict:
     """Train the runs of `sweeps` (each a dict of `run_sweep` keywords: one, or one per update rule) in up to `jobs`
     processes at once (`pool_plan`, `run_pool`; retries as soon as they can be decided, `retry_specs`), after refusing

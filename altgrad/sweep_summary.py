@@ -45,6 +45,7 @@ def model_layers(config, layer_formats=None) -> tuple[list[str], list[str]]:
         q = [n for n, _ in quantized_layers(quantize_model_from_config(build(), c))] if (c.fmt or c.layer_formats) else []
     return linear, q
 
+# %% ../nbs/30b_sweep_summary.ipynb #888c5ff6
 def count_8bit_layers(run: Run) -> tuple[int | None, int | None]:
     "(8-bit linear layers, linear layers) of a run: from its summary.json when recorded, else from its config (`model_layers`)."
     q, n = run.summary.get("quantized_layers"), run.summary.get("linear_layers")
@@ -104,6 +105,7 @@ def plot_sweep(runs: dict, ref: Run | None = None, tolerance: float = 0.10):
     a2.set(ylabel="final val loss − reference (nats)", title="final validation loss relative to the reference"); legend(a2, fontsize=7)
     fig.tight_layout(); return fig
 
+# %% ../nbs/30b_sweep_summary.ipynb #ad6488f8
 def plot_reference(r: Run, unigram: float | None = None):
     "Training and validation loss of the reference `Run`, with the unigram baseline it has to beat."
     fig, ax = plt.subplots(figsize=(7, 3.8))
@@ -114,7 +116,7 @@ def plot_reference(r: Run, unigram: float | None = None):
     legend(ax); fig.tight_layout(); return fig
 
 # %% ../nbs/30b_sweep_summary.ipynb #a5e0c004
-TABLE_HEAD = ("| run | format | precision rules | 8-bit layers | final val loss | ratio to reference | progress lost | "
+TABLE_HEAD = ("| run | format | layer formats | 8-bit layers | final val loss | ratio to reference | progress lost | "
               "quantized-layer cosine | all-parameter cosine | lost update | mean bit-stall | max overflow | failure step | verdict |")
 
 def layout_text(layer_formats) -> str:
@@ -128,6 +130,7 @@ def _writeups_text(linked: dict) -> str:
     if any(linked.values()): return "Write-ups (`<name>/report.md`) are linked in the table; the other cells keep their run (`<name>/run/`) only."
     return "The cells keep their runs (`<name>/run/`) only: write-ups are kept for the main job's formats (`outputs/<format>/`)."
 
+# %% ../nbs/30b_sweep_summary.ipynb #0ba07aaa
 def _table_row(r: dict, linked: bool = True) -> str:
     "One table row; `linked`: the run's folder holds a write-up (`report.md`) to link to."
     if r.get("verdict") == "NOT RUN": return f"| {r['name']} |" + " |" * 12 + " NOT RUN |"
@@ -144,6 +147,7 @@ def _table_row(r: dict, linked: bool = True) -> str:
 def _save_fig(fig, path: Path):
     fig.savefig(path, dpi=FIG_DPI); plt.close(fig)
 
+# %% ../nbs/30b_sweep_summary.ipynb #9c51657f
 def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed: int, note: str = "",
                   unigram: float | None = None, notes=(), runs: dict | None = None) -> Path:
     """Write `out/summary.md` (+ `summary.png`, `reference.png`, `summary.json`) for the runs `names`.
@@ -207,6 +211,7 @@ def report_inputs(out_dir) -> dict:
     return dict(run="run", ref=rel_path(ref, out) if ref else None, unigram=None, title=None,
                 extra_setup={"preset": m.group(1)} if m else {}, inferred=True)
 
+# %% ../nbs/30b_sweep_summary.ipynb #1288c41a
 def regenerate_report(out_dir, unigram: float | None = None) -> Path:
     "Render the write-up in `out_dir` again from its committed folders; `unigram` overrides the stored baseline."
     out = Path(out_dir); inp = report_inputs(out)
@@ -224,6 +229,7 @@ def _old_note(summary_md: Path) -> str:
     except (ValueError, StopIteration):
         return " ".join(l for l in lines if l.startswith("Master weights:"))
 
+# %% ../nbs/30b_sweep_summary.ipynb #691fb605
 def summary_inputs(sweep_dir, unigram: float | None = None) -> tuple[dict | None, str]:
     """(the `write_summary` arguments of the sweep folder `sweep_dir`, '') or (None, why they cannot be told): names from
     its `summary.json` rows; reference, steps, seed, preset from the reference folder; `note` from the old `summary.md`;
@@ -250,6 +256,7 @@ def summary_inputs(sweep_dir, unigram: float | None = None) -> tuple[dict | None
     if "notes" in args: kw["notes"] = args["notes"]
     return kw, ""
 
+# %% ../nbs/30b_sweep_summary.ipynb #c66b8b53
 def regenerate_summary(sweep_dir, unigram: float | None = None) -> tuple[Path | None, str]:
     "(path of the rewritten `summary.md` or None, what was done) for the sweep folder `sweep_dir`."
     kw, why = summary_inputs(sweep_dir, unigram)

@@ -11,7 +11,7 @@ import yaml
 from .grid import LANDINGS
 from .runs import ALERTS_COMPACT, ALERTS_JSONL
 from .tracking import METRICS_COMPACT, METRICS_JSONL, encode_json, write_metrics_compact
-from .study import (ANALYSIS_RULES, INPUTS_FILE, SEED_EXPECTATIONS, StudyPlan, bracket_grids, decisive_choice, decisive_command,
+from .study import (ANALYSIS_SETTINGS, INPUTS_FILE, REQUIRED_EXPECTATIONS, StudyPlan, bracket_grids, decisive_choice, decisive_command,
                            decisive_lr_specs, decisive_seed_specs, json_safe, run_dir)
 
 # %% auto #0
@@ -133,9 +133,9 @@ def fake_decisive_study(out, plan: StudyPlan, proto, loss, stall, unigram: float
     out = Path(out); losses = {}
     def write(sp):
         if skip(sp.name): return
-        val = loss(sp.fmt, sp.rule, sp.lr_mult, sp.seed)
+        val = loss(sp.fmt, sp.rule or sp.precision, sp.lr_mult, sp.seed)
         write_fake_run(run_dir(out, sp.name), None if val is None else round(val, 6), fmt=sp.fmt, seed=sp.seed,
-                       pred_stall=stall(sp.fmt, sp.lr_mult) if sp.fmt else 0.5, update_ratio=0.4, precision=sp.rule if sp.fmt is None else "auto")
+                       pred_stall=stall(sp.fmt, sp.lr_mult) if sp.fmt else 0.5, update_ratio=0.4, precision=sp.precision or "auto")
         losses[sp.name] = None if val is None else round(val, 6)
     for _ in range(proto.max_extensions + 2):
         for sp in decisive_lr_specs(plan, proto, bracket_grids(plan, proto, losses)):
@@ -144,7 +144,7 @@ def fake_decisive_study(out, plan: StudyPlan, proto, loss, stall, unigram: float
     if choice:
         for sp in decisive_seed_specs(plan, proto, choice["mults"]): write(sp)
     inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram, vocab=dict(name="synthetic (no data)", size=None),
-                  lr_choice=json_safe(choice), analysis=ANALYSIS_RULES, out=str(out.name),
-                  command=decisive_command(plan, proto, out.name), expectations=list(SEED_EXPECTATIONS))
+                  lr_choice=json_safe(choice), analysis=ANALYSIS_SETTINGS, out=str(out.name),
+                  command=decisive_command(plan, proto, out.name), expectations=list(REQUIRED_EXPECTATIONS))
     (out / INPUTS_FILE).write_text(json.dumps(json_safe(inputs), indent=1) + "\n")
     return out

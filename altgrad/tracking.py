@@ -104,6 +104,7 @@ def _column(vals: list):
     if kinds == {str}: return pa.array([None if v is _ABSENT else v for v in vals], pa.string()), False
     return pa.array([None if v is _ABSENT else json.dumps(encode_json(v), allow_nan=False) for v in vals], pa.string()), True
 
+# %% ../nbs/15_tracking.ipynb #85090375
 def write_metrics_compact(records: list[dict], path: str | os.PathLike, source_bytes: int | None = None,
                           meta: dict | None = None) -> Path:
     "Write `records` (as `read_metrics` returns them) to a zstd Parquet file at `path` (atomically); `meta`: extra metadata."
@@ -124,6 +125,7 @@ def write_metrics_compact(records: list[dict], path: str | os.PathLike, source_b
     os.replace(tmp, path)
     return path
 
+# %% ../nbs/15_tracking.ipynb #8b941c07
 def compact_info(path: str | os.PathLike) -> dict:
     "The altgrad metadata of a compact metrics file: version, records, json columns, source_bytes."
     import pyarrow.parquet as pq
@@ -134,6 +136,7 @@ def compact_info(path: str | os.PathLike) -> dict:
 def _extra_meta(path) -> dict:
     return {k: v for k, v in compact_info(path).items() if k not in ("version", "records", "json", "source_bytes")}
 
+# %% ../nbs/15_tracking.ipynb #efee8645
 def read_metrics_compact(path: str | os.PathLike) -> list[dict]:
     "Records of a compact metrics file, identical to those of the JSONL it was made from."
     try: import pyarrow.parquet as pq
@@ -153,6 +156,7 @@ def read_metrics_compact(path: str | os.PathLike) -> list[dict]:
                 if v is not None: r[name] = v
     return out
 
+# %% ../nbs/15_tracking.ipynb #ed516422
 def metrics_file(run_dir: str | os.PathLike) -> Path | None:
     "The file holding `run_dir`'s metrics: `metrics.jsonl` unless the compact file was made from exactly it (or it is gone)."
     d = Path(run_dir); j, c = d / METRICS_JSONL, d / METRICS_COMPACT
@@ -174,6 +178,7 @@ def same_records(a: list[dict], b: list[dict]) -> bool:
     "True when two record lists are identical: same keys, same types, same values (NaN equal to NaN, -0.0 to -0.0)."
     return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
 
+# %% ../nbs/15_tracking.ipynb #b2935a7e
 def compact_metrics(run_dir: str | os.PathLike, remove_jsonl: bool = False, check: bool = True) -> Path:
     "Write `run_dir/metrics.parquet` from `run_dir/metrics.jsonl` (checking the round trip); optionally delete the JSONL."
     d = Path(run_dir); j = d / METRICS_JSONL
@@ -191,6 +196,7 @@ def compact_metrics(run_dir: str | os.PathLike, remove_jsonl: bool = False, chec
 # %% ../nbs/15_tracking.ipynb #ba45286f
 _WB_BLOCK, _WB_HEADER = 32768, 7
 
+# %% ../nbs/15_tracking.ipynb #80962ad4
 def read_wandb_records(path: str | os.PathLike, tail_blocks: int | None = None) -> Iterator:
     """Yield the protobuf `Record`s of one W&B transaction log (`run-*.wandb`); stops with a warning at a torn tail.
 
@@ -229,6 +235,7 @@ def read_wandb_records(path: str | os.PathLike, tail_blocks: int | None = None) 
         rec = pb.Record(); rec.ParseFromString(whole)
         yield rec
 
+# %% ../nbs/15_tracking.ipynb #2842f56c
 def wandb_log_complete(path: str | os.PathLike) -> bool:
     "True when the W&B transaction log `path` ends with its run's `exit` record (its last block is read, not the whole log)."
     try:
@@ -246,6 +253,7 @@ def wait_for_wandb_log(path: str | os.PathLike, timeout: float = 60.0, poll: flo
         time.sleep(poll)
     return True
 
+# %% ../nbs/15_tracking.ipynb #e4c1f30b
 def wandb_run_files(path: str | os.PathLike) -> list[Path]:
     "The `run-*.wandb` files under `path` (a file, a W&B run folder or a run_dir), oldest run first."
     path = Path(path)
@@ -268,6 +276,7 @@ def read_wandb_history(path: str | os.PathLike) -> list[dict]:
             rows.append(row)
     return rows
 
+# %% ../nbs/15_tracking.ipynb #3963092e
 def read_wandb_alerts(path: str | os.PathLike) -> list[dict]:
     "Alerts (`title`, `text`, `level`, `wait_duration`) recorded in the W&B run file(s) at `path`."
     out = []
@@ -310,6 +319,7 @@ def resolve_wandb_mode(mode: str) -> str:
     if env in ("offline", "online", "disabled"): return env
     return "online" if wandb_logged_in() else "offline"
 
+# %% ../nbs/15_tracking.ipynb #ffddf2b3
 def _console(msg: str):
     try:
         from tqdm.auto import tqdm
@@ -485,6 +495,7 @@ def _num(v):
 
 def _leaf_match(key: str, names) -> bool: return key in names or any(key.endswith("/" + n) for n in names)
 
+# %% ../nbs/15_tracking.ipynb #8f9758ad
 def find_breaches(metrics: dict, cfg=None, *, bit_stall_threshold: float = 0.5, overflow_threshold: float = 0.01,
                   master_weights: str | None = None, loss_keys=("loss",), stall_prefixes=("stall/",),
                   lost_update_prefixes=("lost_update/",), overflow_prefixes=("overflow/",),
@@ -521,6 +532,7 @@ def find_breaches(metrics: dict, cfg=None, *, bit_stall_threshold: float = 0.5, 
     if dead: add("dead_neurons", "WARN", "Dead neurons", dead, lambda v: f"{v:g}")
     return out
 
+# %% ../nbs/15_tracking.ipynb #ab463efc
 @patch
 def check_thresholds(self: Tracker, metrics: dict, step: int, cfg=None, **kwargs) -> list[dict]:
     "Alert on every breached threshold of `metrics` (see `find_breaches`); returns the breaches with `sent` flags."
@@ -532,6 +544,7 @@ def check_thresholds(self: Tracker, metrics: dict, step: int, cfg=None, **kwargs
 def _keep_until(records: list[dict], step: int) -> list[dict]:
     return [r for r in records if r.get("step") is None or r["step"] <= step]
 
+# %% ../nbs/15_tracking.ipynb #37138a6e
 def truncate_records(run_dir: str | os.PathLike, step: int) -> dict:
     "Drop every per-step record after `step` from the run's metrics, alerts and histograms; returns {file: records dropped}."
     d, step, out = Path(run_dir), int(step), {}
@@ -557,6 +570,7 @@ def truncate_records(run_dir: str | os.PathLike, step: int) -> dict:
         if len(keep) < len(data): _atomic_text(h, json.dumps(keep)); out[h.name] = len(data) - len(keep)
     return out
 
+# %% ../nbs/15_tracking.ipynb #f1116f66
 def _atomic_text(p: Path, text: str):
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp"); tmp.write_text(text); os.replace(tmp, p)
 
@@ -604,6 +618,7 @@ def _write_checked(records: list[dict], path: Path, **kw):
     if not same_records(read_metrics_compact(path), records):
         raise RuntimeError(f"{path}: a value did not survive the round trip (please report this bug)")
 
+# %% ../nbs/15_tracking.ipynb #94b50827
 def thin_alerts(alerts: list[dict]) -> list[dict]:
     """The alerts that were reported (not suppressed by the cooldown), each with `repeats`: how many suppressed repeats
     of its kind followed it before the next reported one. Nothing is lost as a count; idempotent."""
@@ -614,6 +629,7 @@ def thin_alerts(alerts: list[dict]) -> list[dict]:
         out.append(r := {**a, "repeats": a.get("repeats", 0)}); last[k] = r
     return out
 
+# %% ../nbs/15_tracking.ipynb #67285b30
 def compact_run(run_dir: str | os.PathLike, keep_histograms: bool = False, layers: bool = True) -> dict:
     """Rewrite a finished run folder in the compact run format (see above); returns its files' bytes before and after.
     `keep_histograms=True`: every per-layer column and `histograms.json` too (the per-format write-up runs).

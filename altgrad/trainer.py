@@ -125,7 +125,7 @@ _RESUME_FIXED = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bia
                  "residual_dtype")
 
 class Trainer:
-    "Train `cfg`'s GPT on its data: every diagnostic every step, the seeds' NaN policy, checkpoints and exact resume."
+    "Train `cfg`'s GPT on its data: every diagnostic every step, the requirements' NaN policy, checkpoints and exact resume."
     def __init__(self, cfg: TrainConfig, tracker: Tracker | None = None, fault: Callable | None = None, progress: bool = True,
                  overwrite: bool = False):
         self.cfg, self.tracker, self.fault, self.progress = cfg, tracker, fault, progress

@@ -1,4 +1,4 @@
-"""CUDA correctness: the device gives the CPU's bits (quantize, scaling, landing rules), GEMMs within measured bounds.
+"""CUDA correctness: the device gives the CPU's bits (quantize, scaling, landings), GEMMs within measured bounds.
 
 Every test runs the same inputs (made on the CPU, then copied) through the CPU in eager mode (the reference) and through
 the device under test, and compares:
@@ -15,7 +15,7 @@ the device under test, and compares:
 3. `QuantizedLinear` forward and backward in FP32 (TF32 off): quantized operands W, A, G bit for bit; output and
    gradients within rel. error ||d - ref|| / ||ref|| < 1e-5 (cuBLAS sums in another order). Under bf16 autocast:
    finite, W and A operands bit for bit, output rel. error < 4e-3 (bf16 rounding 2^-8), gradients < 5e-2.
-4. Every landing rule of `grid.LANDINGS` (+ `regrid_scale`, `store_residual`): new weights and residuals bit for bit
+4. Every landing of `grid.LANDINGS` (+ `regrid_scale`, `store_residual`): new weights and residuals bit for bit
    over several steps.
 5. `resolve_device`/`autocast_dtype` of device='auto', precision='auto': 'cuda' and bfloat16.
 6. A 5-step `Trainer` smoke run on the device (E4M3, FP32 master weights; and weights on the grid with stochastic
@@ -337,7 +337,7 @@ def test_quantized_linear_bf16_autocast():
     report("quantized_linear_bf16_autocast", **figs)
 
 
-# ---------------------------------------------------------------- 4. landing rules
+# ---------------------------------------------------------------- 4. landings
 @pytest.mark.parametrize("rule", list(LANDINGS))
 def test_landing_rule(rule):
     "w + u landed by `rule` over 3 steps (per-tensor and per-row scales, compiled and eager): weights, residuals, regrid."
@@ -359,10 +359,10 @@ def test_landing_rule(rule):
                         cr = torch.randn(w0.shape, generator=g) * 1e-3 * w0.abs().mean(); cd = cr.to(DEV)
                     gr, gd = gens(400 + step)
                     with compile_mode("never"):
-                        sr = regrid_scale(amax_of(wr + u, gran), sr, fmt, rule=rule)
+                        sr = regrid_scale(amax_of(wr + u, gran), sr, fmt, landing=rule)
                         wr, cr = land(wr, u, fmt, expand_scale(sr, wr, gran), rule, cr, gr)
                     with compile_mode(mode):
-                        sd = regrid_scale(amax_of(wd + u.to(DEV), gran), sd, fmt, rule=rule)
+                        sd = regrid_scale(amax_of(wd + u.to(DEV), gran), sd, fmt, landing=rule)
                         wd, cd = land(wd, u.to(DEV), fmt, expand_scale(sd, wd, gran), rule, cd, gd)
                     tag = f"{rule} {fmt.name} {gran} {mode} step {step}"
                     same_bits(f"regrid {tag}", sd, sr); same_bits(f"w {tag}", wd, wr)

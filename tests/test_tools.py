@@ -22,7 +22,7 @@ def _run(out, data, *args):
 
 
 def test_plan():
-    "The seeds' order with E0M7 left out (E1M6's grid), then E7M0 and E5M2 under each landing rule."
+    "The requirements' order with E0M7 left out (E1M6's grid), then E7M0 and E5M2 under each landing."
     m = _module()
     names = [r[0] for r in m.experiment("smoke")]
     assert names == ["reference", "E5M2", "E3M4", "E1M6", "E7M0", "E4M3", "E7M0-nearest", "E7M0-stochastic", "E7M0-kahan",

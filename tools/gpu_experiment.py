@@ -1,11 +1,11 @@
-"""The seeds' GPU experiment inside one lease of a GPU machine.
+"""The requirements' GPU experiment inside one lease of a GPU machine.
 
-The runs, in the seeds' order: the reference (BF16 autocast on CUDA); every format of `altgrad.sweep.SEED_ORDER` with
+The runs, in the requirements' order: the reference (BF16 autocast on CUDA); every format of `altgrad.sweep.REQUIRED_ORDER` with
 FP32 master weights and the FP32 shadow, less a format grid-equivalent to an earlier one (E0M7 is E1M6's grid scaled by
 2^-1: its run is E1M6's, as `altgrad-sweep` reuses it); then E7M0 and E5M2 with the weights on the grid under nearest,
 stochastic and kahan. Each run is one process of `altgrad.pool.run_pool` (`altgrad.sweep.sweep_job`, the process body of
 `altgrad-sweep --jobs`), at most `--jobs` at a time. Folders: the reference in `OUT/_reference/<preset>-s42-n<steps>/`,
-a format in `OUT/<fmt>/run`, a landing rule in `OUT/<fmt>-<rule>/run` (`altgrad-sweep --update-rules` would instead
+a format in `OUT/<fmt>/run`, a landing in `OUT/<fmt>-<landing>/run` (`altgrad-sweep --update-rules` would instead
 write `OUT/<rule>/<fmt>/run`); each run's log in `OUT/.jobs/<name>.log`.
 
 No run starts in the last `--no-start` seconds before `--deadline`; at the deadline every running run gets SIGTERM (it
@@ -22,31 +22,31 @@ from pathlib import Path
 from altgrad.config import load_config
 from altgrad.formats import grid_equivalent
 from altgrad.pool import Job, JobsInterrupted, job_env, run_pool
-from altgrad.sweep import SEED_ORDER, _spec, reference_dir, run_name
+from altgrad.sweep import REQUIRED_ORDER, _spec, reference_dir, run_name
 from altgrad.tracking import compact_run
 
-RULE_FORMATS, RULES = ("E7M0", "E5M2"), ("nearest", "stochastic", "kahan")
+ON_GRID_FORMATS, ON_GRID_LANDINGS = ("E7M0", "E5M2"), ("nearest", "stochastic", "kahan")
 
 
-def distinct_formats(order=SEED_ORDER) -> list:
+def distinct_formats(order=REQUIRED_ORDER) -> list:
     "The formats of `order` less those grid-equivalent to an earlier one (trained once, as the sweep does)."
     return [f for i, f in enumerate(order) if not any(grid_equivalent(f, g) is not None for g in order[:i])]
 
 
 def experiment(preset: str) -> list:
-    "(name, format, master weights, rule) of every run, in the seeds' order."
+    "(name, format, master weights, landing) of every run, in the requirements' order."
     return ([("reference", None, "fp32", None)] + [(f, f, "fp32", None) for f in distinct_formats()]
-            + [(run_name(f, r), f, "format", r) for f in RULE_FORMATS for r in RULES])
+            + [(run_name(f, r), f, "format", r) for f in ON_GRID_FORMATS for r in ON_GRID_LANDINGS])
 
 
 def job(out: Path, data_dir: str, preset: str, run) -> Job:
     "One run as a process of the pool: `sweep_job` with its spec (the reference, or a format run without write-up)."
-    name, fmt, mw, rule = run
+    name, fmt, mw, landing = run
     common = dict(preset=preset, steps=load_config(preset).max_steps, seed=42, interventions=False, data_dir=data_dir,
                   wandb_mode="disabled", master_weights=mw, stop_on_nan=True)
-    ov = {"weight_update": rule} if rule else {}
+    ov = {"weight_update": landing} if landing else {}
     spec = (_spec("reference", "reference", out, common, ov) if fmt is None else
-            _spec("train", name, out, common, ov, fmt=fmt, tag=rule or ""))
+            _spec("train", name, out, common, ov, fmt=fmt, tag=landing or ""))
     cmd = [sys.executable, "-c", "import json, sys; from altgrad.sweep import sweep_job; sys.exit(sweep_job(json.loads(sys.argv[1])))",
            json.dumps(spec)]
     return Job(name, cmd, out / ".jobs" / f"{name}.log")
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--deadline", type=float, default=300, help="seconds from start after which running runs are stopped")
     p.add_argument("--no-start", type=float, default=120, help="start no run this many seconds before the deadline")
     p.add_argument("--grace", type=float, default=60, help="seconds a stopped run has to checkpoint before it is killed")
-    p.add_argument("--only", help="comma-separated run names (default: all, in the seeds' order)")
+    p.add_argument("--only", help="comma-separated run names (default: all, in the requirements' order)")
     a = p.parse_args(argv)
     out, t0 = Path(a.out), time.time()
     out.mkdir(parents=True, exist_ok=True)
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     for name, *_ in runs:
         d = run_dir(out, a.preset, name)
         s = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
-        done = s.get("stopped_reason") not in (None, "interrupted")     # max_steps, or the NaN stop of the seeds' failure study
+        done = s.get("stopped_reason") not in (None, "interrupted")     # max_steps, or the NaN stop of the requirements' failure study
         st = state_of(rcs.get(name))
         if st == "finished" and not done: st = "exited without finishing"
         state[name] = dict(state=st, **{k: s.get(k) for k in ("final_step", "max_steps", "stopped_reason", "final_val_loss", "step_time",

@@ -3,7 +3,7 @@
 #   carry: .whl (wheels of what the machine lacks), .gpu (the tiktoken cache), outputs/gpu/_data (the prepared EurLex data)
 #   1. the gpu-marked tests (CUDA bit-exactness, the compiled layer included), 2. the host syncs of one step
 #   (tools/host_reads.py), 3. the benchmarks (quantize; the 8-bit step vs the BF16 step, eager and compiled; runs per
-#   hour against concurrent runs), 4. the seeds' experiment at the gpu preset (tools/gpu_experiment.py) if time is left
+#   hour against concurrent runs), 4. the requirements' experiment at the gpu preset (tools/gpu_experiment.py) if time is left
 #   (it needs more than this script's ~300 s of stages). Everything lands under $OUT as two tars.
 #   BUDGET: seconds this script may take in all.
 set -u
