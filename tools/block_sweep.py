@@ -1,10 +1,10 @@
 """block_sweep.py -- a short sweep of the block recipes, FP32 master weights and weights on the grid: outputs/blocks/summary.md.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python tools/block_sweep.py --runs runs/block_sweep --data DATA --steps 100
+    PYTHONPATH=. OMP_NUM_THREADS=1 python tools/block_sweep.py --runs runs/block_sweep --data DATA --steps 30
 
 Trains the high-precision reference, the tensor-wise E4M3 and E2M1 runs for comparison, and each block recipe (smoke
 preset, one seed) through the `sweep.format_config` / `sweep.train` path that `run_format` uses: first with FP32 master
-weights, then with the weights on their grid (`master_weights=format`) under each landing of `--landings`. Writes only
+weights, then (block recipes only) with the weights on their grid (`master_weights=format`) under each landing of `--landings`. Writes only
 the table and a small JSON of its numbers to `--out` (no runs, checkpoints or logs). Finished reference and
 tensor-wise runs of the same config in `--runs` are reused; the block runs always train.
 """
@@ -78,7 +78,7 @@ def main(argv=None):
     rows, landings = [], [x for x in a.landings.split(",") if x]
     for landing in [None] + landings:
         grid = {} if landing is None else dict(master_weights="format", weight_update=landing, tag=f"grid-{landing}")
-        for name in BASELINES + RECIPES:
+        for name in (BASELINES if landing is None else ()) + RECIPES:     # (on the grid: the block recipes only)
             cfg = format_config(name, runs, preset=a.preset, seed=a.seed, steps=a.steps, data_dir=a.data,
                                 wandb_mode="disabled", checkpoint_interval=a.steps, **grid)
             if name in BASELINES and run_plan(cfg.out_dir, cfg)[0] == "reuse": print(f"reusing {cfg.out_dir}", flush=True)
