@@ -8,12 +8,15 @@ import math
 from dataclasses import dataclass, replace
 import torch
 from torch import nn
+from fastcore.basics import patch
 from .formats import get_format, to_bits
-from .microscaling import BlockRecipe, get_recipe, quantize_blocks, block_stats, _blocked, _scale_code_range
+from .grid import MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, land, ratio_histogram
+from .microscaling import BlockRecipe, get_recipe, quantize_blocks, block_stats, _blocked, _block_scales, _scale_code_range
 
 # %% auto #0
 __all__ = ['OPERAND_ROUNDINGS', 'GEMM_CONFIGS', 'BlockGemmConfig', 'get_gemm_config', 'hadamard_matrix', 'rotate_rows',
-           'BlockLinear', 'is_block_format', 'canonical_format', 'block_layer', 'block_layers', 'block_operands',
+           'BlockLinear', 'block_grid_format', 'block_grid_scale', 'on_block_grid', 'land_block', 'is_block_format',
+           'canonical_format', 'block_layer', 'block_layers', 'grid_block_layers', 'block_operands',
            'operand_diagnostics', 'block_metrics', 'block_histograms']
 
 # %% ../nbs/08_block_gemm.ipynb #0641ccfa
@@ -104,11 +107,15 @@ class BlockLinear(nn.Linear):
         self.gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + layer_id)   # a stream per layer
         self.register_buffer("R", hadamard_matrix(16, self.config.seed), persistent=False)
         self.last_a = self.last_g = None            # the last training A and G, for the block diagnostics
+        self.master_weights, self.weight_update, self.residual_dtype = "fp32", "nearest", "fp32"   # see `use_grid`
+        self._grid_set = False                      # weights on the block grid yet (`to_grid`)
+        self._snapshot = self._stall = self._decay = self._last_update = self._landing_error = None   # (24_step)
 
     def get_extra_state(self) -> dict: return {"generator": self.gen.get_state()}
     def set_extra_state(self, state: dict): self.gen.set_state(state["generator"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.master_weights == "format" and not self._grid_set: self.to_grid()
         y = _BlockGemmFn.apply(x, self.weight, self.bias, self.config, self.gen, self.R).to(x.dtype)
         if self.training and y.requires_grad:
             self.last_a = x.detach(); y.register_hook(lambda g: setattr(self, "last_g", g.detach()))
@@ -121,7 +128,77 @@ class BlockLinear(nn.Linear):
         m.weight, m.bias = linear.weight, linear.bias
         return m
 
-    def extra_repr(self) -> str: return super().extra_repr() + f", recipe={self.config.recipe.name}"
+    def extra_repr(self) -> str:
+        s = super().extra_repr() + f", recipe={self.config.recipe.name}"
+        return s + (f", master_weights='format', weight_update={self.weight_update!r}" if self.master_weights == "format" else "")
+
+# %% ../nbs/08_block_gemm.ipynb #33b9bee7
+def block_grid_format(recipe):
+    "The element format of `recipe`'s grid, saturating (a block's largest element clips to its largest value, as `quantize_blocks`)."
+    f = get_format(get_recipe(recipe).elem)
+    return f if f.overflow == "saturate" else replace(f, overflow="saturate")
+
+def block_grid_scale(x: torch.Tensor, recipe) -> torch.Tensor:
+    "Each element's multiplier onto its weight block's element grid (`quantize`'s `scale`: 1 / the block's scale), `x`'s shape."
+    r = get_recipe(recipe); x2 = x.detach().float().reshape(-1, x.shape[-1])
+    xv = _blocked(x2, r, True)
+    _, mul, div, _, _ = _block_scales(xv, xv.abs().amax(dim=(1, 3), keepdim=True), r)
+    return (mul if div is None else 1.0 / div).expand_as(xv).reshape(x.shape)
+
+def on_block_grid(x: torch.Tensor, recipe, max_iter: int = 4) -> torch.Tensor:
+    "`x` rounded to nearest onto `recipe`'s weight grid, requantized until `quantize_blocks` leaves it unchanged (a fixed point)."
+    r, q = get_recipe(recipe), x.detach().float()
+    for _ in range(max_iter):
+        n = quantize_blocks(q, r, weight=True).values
+        if torch.equal(n, q): break
+        q = n
+    return q
+
+def land_block(w: torch.Tensor, u: torch.Tensor, recipe, rule: str = "nearest", residual: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    "`w + u` landed by `rule` (a `grid.LANDINGS` name) on the block grid of the value that lands: `(w_new, residual_new)`."
+    r = get_recipe(recipe); w, u = w.detach().float(), u.detach().float()
+    aim = w + u if residual is None else w + u + residual.float()
+    wl, c = land(w, u, block_grid_format(r), block_grid_scale(aim, r), rule, residual, generator)
+    wn = on_block_grid(wl, r)
+    return wn, (None if c is None else c + (wl - wn))            # a residual also keeps what settling moved
+
+# %% ../nbs/08_block_gemm.ipynb #d9b5261e
+_GRID_BUFFERS = ("residual", "w_prev", "updates", "grid_set")
+
+@patch
+def use_grid(self: BlockLinear, weight_update: str = "nearest", residual_dtype: str = "fp32") -> BlockLinear:
+    "Weights on the block grid from the first forward on, landed after each step by `weight_update`; returns `self`."
+    self.master_weights, self.weight_update, self.residual_dtype = "format", weight_update, residual_dtype
+    empty = (torch.zeros(0), torch.zeros(0), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.bool))
+    for n, t in zip(_GRID_BUFFERS, empty): self.register_buffer(n, t.to(self.weight.device))
+    self._updates_n = 0
+    return self
+
+@patch(as_prop=True)
+def on_grid(self: BlockLinear) -> bool: return self.master_weights == "format" and self._grid_set
+
+@patch(as_prop=True)
+def seed(self: BlockLinear) -> int: return self.config.seed
+
+@patch
+@torch.no_grad()
+def to_grid(self: BlockLinear):
+    "Round the weights to nearest onto their block grid (`on_block_grid`)."
+    w = self.weight; w.copy_(on_block_grid(w, self.config.recipe).to(w.dtype))
+    self.grid_set.fill_(True); self._grid_set = True
+
+@patch
+def _load_from_state_dict(self: BlockLinear, sd, prefix, meta, strict, missing, unexpected, errors):
+    "Lazily shaped grid buffers take the saved shapes; a checkpoint without them (FP32 master weights) lands at the first forward."
+    grid = self.master_weights == "format"
+    if grid and prefix + "grid_set" not in sd: self.use_grid(self.weight_update, self.residual_dtype)   # a fresh grid state
+    for n in ("residual", "w_prev"):
+        if grid and prefix + n in sd: setattr(self, n, torch.zeros_like(sd[prefix + n], device=self.weight.device))
+    nn.Module._load_from_state_dict(self, sd, prefix, meta, strict, missing, unexpected, errors)
+    if grid:
+        missing[:] = [k for k in missing if k not in [prefix + n for n in _GRID_BUFFERS]]
+        self._grid_set, self._updates_n = bool(self.grid_set), int(self.updates)
 
 # %% ../nbs/08_block_gemm.ipynb #195b26c0
 def is_block_format(name) -> bool:
@@ -136,12 +213,11 @@ def canonical_format(name) -> str:
 
 # %% ../nbs/08_block_gemm.ipynb #5f2a8502
 def block_layer(linear: nn.Linear, fmt, layer_id: int = 0, fmt_backward=None, master_weights: str = "fp32",
-                quantize_grads: bool = False, rounding: str = "nearest", seed: int = 0, **_) -> BlockLinear:
-    "The `BlockLinear` that `quantize_model(model, <recipe>, **kw)` puts in place of `linear` (FP32 master weights)."
+                quantize_grads: bool = False, rounding: str = "nearest", seed: int = 0, weight_update: str = "nearest",
+                residual_dtype: str = "fp32", **_) -> BlockLinear:
+    "The `BlockLinear` that `quantize_model(model, <recipe>, **kw)` puts in place of `linear` (weights on its grid or FP32)."
     cfg, name = get_gemm_config(fmt), fmt if isinstance(fmt, str) else "a BlockGemmConfig"
-    if master_weights != "fp32":
-        raise ValueError(f"master_weights={master_weights!r} with block recipe {name!r}: weights on a block "
-                         "grid are not built yet; use master_weights='fp32' (an FP32 master copy, quantized per GEMM)")
+    _check_grid_keys(name, master_weights, weight_update, residual_dtype)
     if quantize_grads: raise ValueError(f"quantize_grads=True with block recipe {name!r}: the weight gradient is "
                                         "already a block GEMM's output; set quantize_grads=False")
     if fmt_backward is not None:
@@ -151,12 +227,28 @@ def block_layer(linear: nn.Linear, fmt, layer_id: int = 0, fmt_backward=None, ma
         cfg = replace(cfg, grad_recipe=get_gemm_config(fmt_backward).recipe)
     if rounding != "nearest": cfg = replace(cfg, rounding_a=rounding, rounding_w=rounding, rounding_g=rounding)
     if int(seed) != cfg.seed: cfg = replace(cfg, seed=int(seed))
-    return BlockLinear.from_linear(linear, cfg, layer_id)
+    m = BlockLinear.from_linear(linear, cfg, layer_id)
+    return m.use_grid(weight_update, residual_dtype) if master_weights == "format" else m
+
+def _check_grid_keys(name: str, master_weights: str, weight_update: str, residual_dtype: str):
+    "ValueError naming the bad key among `block_layer`'s regime keys, its valid values and the fix."
+    if master_weights not in MASTER_WEIGHTS:
+        raise ValueError(f"master_weights={master_weights!r} with block recipe {name!r}: choose one of {list(MASTER_WEIGHTS)}")
+    landing = get_landing(weight_update)                       # unknown names: ValueError listing LANDINGS
+    if residual_dtype not in RESIDUAL_DTYPES:
+        raise ValueError(f"residual_dtype={residual_dtype!r} with block recipe {name!r}: choose one of {list(RESIDUAL_DTYPES)}")
+    if (landing.residual or landing.momentum) and master_weights != "format":
+        raise ValueError(f"weight_update={weight_update!r} with block recipe {name!r} needs master_weights='format' "
+                         "(with FP32 master weights no update is lost)")
 
 # %% ../nbs/08_block_gemm.ipynb #40beffb9
 def block_layers(model: nn.Module) -> list[tuple[str, BlockLinear]]:
     "`(name, layer)` of every `BlockLinear` in `model`."
     return [(n, m) for n, m in model.named_modules() if isinstance(m, BlockLinear)]
+
+def grid_block_layers(model: nn.Module) -> list[tuple[str, BlockLinear]]:
+    "`(name, layer)` of every `BlockLinear` in `model` whose weights live on its block grid (`master_weights='format'`)."
+    return [(n, m) for n, m in block_layers(model) if m.master_weights == "format"]
 
 def block_operands(m: BlockLinear) -> dict[str, tuple]:
     "`{role: (tensor, recipe, weight)}` of `m`'s W, last A and last G (each blocked along its last axis by its GEMM)."
@@ -201,6 +293,11 @@ def block_metrics(model: nn.Module) -> dict:
     return out | {"overflow/max": ovf} if out else out
 
 def block_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-    "`{layer: {'scale_<op>': histogram of the scale codes}}` of every `BlockLinear`'s W, last A and last G."
-    return {name: {f"scale_{role}": operand_diagnostics(x, r, w)[1] for role, (x, r, w) in block_operands(m).items()}
-            for name, m in block_layers(model)}
+    """`{layer: {'scale_<op>': histogram of the scale codes}}` of every `BlockLinear`'s W, last A and last G, and
+    (weights on the grid) `r`: the last update's log2(|u|/ulp) histogram against each weight's block ulp."""
+    out = {}
+    for name, m in block_layers(model):
+        out[name] = {f"scale_{role}": operand_diagnostics(x, r, w)[1] for role, (x, r, w) in block_operands(m).items()}
+        if m._last_update is not None: out[name]["r"] = ratio_histogram(*m._last_update[:2], m.config.recipe.elem,
+                                                                         m._last_update[2]).cpu()
+    return out

@@ -13,10 +13,11 @@ from .formats import get_format
 from .regimes import UPDATE_RULES, UpdateRule, rule_of, settings_of   # (nbs/04c_regimes: below this notebook)
 
 # %% auto #0
-__all__ = ['REGIME_KEYS', 'KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS', 'RESEARCH_KEYS',
-           'ConfigError', 'TrainConfig', 'regime_keys', 'as_rule', 'rule_from_keys', 'saved_regime', 'fold_regime',
-           'merge_keys', 'renamed_keys', 'missing_keys', 'config_keys_help', 'check_keys', 'preset_path', 'load_config',
-           'parse_value', 'parse_overrides', 'save_config', 'resolve_device', 'autocast_dtype', 'research_choices']
+__all__ = ['BLOCK_FIXED_KEYS', 'REGIME_KEYS', 'KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS',
+           'RESEARCH_KEYS', 'ConfigError', 'TrainConfig', 'regime_keys', 'as_rule', 'rule_from_keys', 'saved_regime',
+           'fold_regime', 'merge_keys', 'renamed_keys', 'missing_keys', 'config_keys_help', 'check_keys', 'preset_path',
+           'load_config', 'parse_value', 'parse_overrides', 'save_config', 'resolve_device', 'autocast_dtype',
+           'research_choices']
 
 # %% ../nbs/05_config.ipynb #0c920285
 class ConfigError(ValueError):
@@ -251,6 +252,20 @@ def _check_range(key, v, lo, hi, lo_inc, hi_inc) -> str | None:
     right = "inf)" if hi is None else f"{hi}{']' if hi_inc else ')'}"
     return f"{key}={v!r} is out of range: must be in {left}, {right}"
 
+BLOCK_FIXED_KEYS = {   # tensor-wise scaling keys that a block recipe fixes itself: key -> what the recipe does instead
+    "scaling": "each block's scale comes from that block, per GEMM", "granularity": "a scale per block of the recipe",
+    "block_size_q": "the recipe's block (MX 32, NVFP4 16)", "margin": "the recipe's scale rounding sets the headroom",
+    "amax_history_len": "no amax history: each scale is the current block's", "amax_algo": "no amax history: each scale is the current block's"}
+
+def _check_block_keys(cfg) -> list[str]:
+    "One error per `BLOCK_FIXED_KEYS` key set away from its default in a config whose every format is a block recipe."
+    from altgrad.block_gemm import is_block_format       # (08 comes after this notebook)
+    fmts = [f for f in [cfg.fmt, *(r[1] for r in cfg.layer_formats if isinstance(r, list) and len(r) == 2)] if f is not None]
+    if not fmts or not all(is_block_format(f) for f in fmts): return []    # a tensor-wise layer reads these keys
+    dflt, names = {f.name: f.default for f in fields(cfg)}, ", ".join(dict.fromkeys(map(str, fmts)))
+    return [f"{k}={getattr(cfg, k)!r} has no effect with block recipe {names}: block recipes fix it ({why}); "
+            f"unset {k} (default {dflt[k]!r})" for k, why in BLOCK_FIXED_KEYS.items() if getattr(cfg, k) != dflt[k]]
+
 # %% ../nbs/05_config.ipynb #3f9f790d
 def _validate(cfg: TrainConfig):
     errors = []
@@ -281,6 +296,7 @@ def _validate(cfg: TrainConfig):
         if isinstance(entry[1], str) and entry[1].strip().lower() in _NONE_WORDS: entry[1] = None
         if entry[1] is not None and (msg := _check_format(f"layer_formats[{i}] format", entry[1])): errors.append(msg)
     if not all(isinstance(t, str) for t in cfg.wandb_tags): errors.append(f"wandb_tags must be a list of strings, got {cfg.wandb_tags!r}")
+    if not errors: errors += _check_block_keys(cfg)
     if errors: raise ConfigError("invalid config: " + "; ".join(errors))
 
 # %% ../nbs/05_config.ipynb #e2946298

@@ -19,7 +19,7 @@ from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_dis
 from .notice import notice
 from .metrics import HostRead
 from .grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, stats_dict, STAT_FIELDS, ratio_histogram
-from .block_gemm import is_block_format, block_layer, block_layers, block_metrics, block_histograms
+from .block_gemm import is_block_format, block_layer, block_layers, grid_block_layers, block_metrics, block_histograms
 
 # %% auto #0
 __all__ = ['SCALINGS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer', 'QuantizedLinear',
@@ -559,7 +559,8 @@ def quant_metrics(model: nn.Module) -> dict:
 def queue_quant_metrics(reads: HostRead, model: nn.Module) -> HostRead:
     "Queue `quant_metrics` on `reads`: the counts and statistics are taken (copied) and reset now, read with the step."
     layers, blk = quantized_layers(model), block_metrics(model)     # blk: block layers' diagnostics (08_block_gemm)
-    if not layers: return reads.add(torch.zeros(0), lambda _: blk)
+    grid = grid_block_layers(model)                                 # block layers whose weights live on their grid
+    if not layers and not grid: return reads.add(torch.zeros(0), lambda _: blk)
     rows, meta, upd = [], [], []
     for name, m in layers:
         for role, q in m.quantizers().items():
@@ -568,6 +569,9 @@ def queue_quant_metrics(reads: HostRead, model: nn.Module) -> HostRead:
         if m._stall is not None: upd.append((name, m, m._stall))
         if m._decay is not None: rows.append(torch.cat([m._decay, m._decay.new_zeros(1)])); meta.append((name, "decay", 0, False))
         if m.clip_k is not None: rows.append(torch.stack([m._clipped, m._clipped, m._clipped])); meta.append((name, "clip", m.qg.total, False))
+    for name, m in grid:                                              # their update statistics and decay term, as above
+        if m._stall is not None: upd.append((name, m, m._stall))
+        if m._decay is not None: rows.append(torch.cat([m._decay, m._decay.new_zeros(1)])); meta.append((name, "decay", 0, False))
     summed, totals = [], torch.zeros(0)
     if rows and is_distributed():      # counts and element totals summed over ranks before the rates are formed
         summed = [i for i, (_, role, *_r) in enumerate(meta) if role != "decay"]   # the decay term is the same everywhere
@@ -583,6 +587,7 @@ def queue_quant_metrics(reads: HostRead, model: nn.Module) -> HostRead:
     for _, m in layers:                                   # (the stacks above are copies: reset now)
         for q in m.quantizers().values(): q.reset_counts()
         m._stall = None; m._decay = None; m._clipped.zero_()
+    for _, m in grid: m._stall = None; m._decay = None
     nv, nt, F = vals.numel(), totals.numel(), len(STAT_FIELDS)
     def build(flat):
         for j, i in enumerate(summed): meta[i] = (meta[i][0], meta[i][1], int(flat[nv + j]), meta[i][3])

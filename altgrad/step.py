@@ -9,6 +9,8 @@ import torch.nn as nn
 from .scaling import amax_of, expand_scale
 from .grid import LANDINGS, land, regrid_scale, store_residual, update_stats
 from .quantized import quantized_layers, sr_generator
+from .microscaling import quantize_blocks
+from .block_gemm import grid_block_layers, land_block, block_grid_scale, block_grid_format
 
 # %% auto #0
 __all__ = ['quant_pre_step', 'quant_post_step', 'decay_factors', 'absorb_landing_errors', 'GridStep']
@@ -26,6 +28,9 @@ def quant_pre_step(model: nn.Module, snapshot: dict[str, torch.Tensor] | None = 
         if m.qdw is not None and w.grad is not None: w.grad.copy_(m.qdw.quantize(w.grad, train=True))
         before = snapshot.get(f"{name}.weight")
         m._snapshot = before if before is not None and before.shape == w.shape else w.detach().clone()
+    for name, m in grid_block_layers(model):                     # weights on a block grid (08_block_gemm)
+        before = snapshot.get(f"{name}.weight")
+        m._snapshot = before if before is not None and before.shape == m.weight.shape else m.weight.detach().clone()
 
 # %% ../nbs/24_step.ipynb #bed93994
 def _land(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant: torch.Tensor | None):
@@ -52,14 +57,36 @@ def _land(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant
     m.w_prev = before
     m.updates += 1; m._updates_n += 1
 
-def _decay_kept(m, before: torch.Tensor, sn: torch.Tensor, c_decay: float) -> torch.Tensor:
+def _decay_kept(m, before: torch.Tensor, sn: torch.Tensor, c_decay: float, fmt=None) -> torch.Tensor:
     "`[<landed decay, d>, ||d||^2]` of the decay term `d = -c w` landed alone by `m`'s landing (a residual's landing: nearest)."
-    q, landing = m.qw, LANDINGS[m.weight_update]
+    landing, fmt = LANDINGS[m.weight_update], m.qw.qfmt if fmt is None else fmt
     d = -c_decay * before.float()
     alone = "nearest" if landing.residual else m.weight_update      # the decay alone carries no residual
     gd = sr_generator(m.seed, m.layer_id, m._updates_n, 1) if LANDINGS[alone].stochastic else None
-    dl = land(before, d, q.qfmt, sn, alone, None, gd)[0] - before.float()
+    dl = land(before, d, fmt, sn, alone, None, gd)[0] - before.float()
     return torch.stack([(dl * d).sum(dtype=torch.float64), (d * d).sum(dtype=torch.float64)])
+
+def _land_block(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant: torch.Tensor | None):
+    "`_land` for a block layer: `before + u` lands on its block grid (`land_block`); statistics against each weight's block ulp."
+    w, r, landing = m.weight, m.config.recipe, LANDINGS[m.weight_update]
+    res = m.residual.float() if landing.residual and m.residual.shape == w.shape else None
+    gen = sr_generator(m.seed, m.layer_id, m._updates_n) if landing.stochastic else None
+    w_new, c = land_block(before, u, r, m.weight_update, res, gen)
+    w.copy_(w_new.to(w.dtype))
+    if c is not None: m.residual = _store_block_residual(c, m.residual_dtype, r)
+    m._landing_error = before.float() + u - w_new if landing.momentum else None   # ECO: for the optimizer's momentum
+    se, fmt = block_grid_scale(before, r), block_grid_format(r)          # the grid `before` lives on
+    prev = m.w_prev if m.w_prev.shape == w.shape else None
+    us = u if meant is None else meant.detach().float()
+    m._stall = update_stats(before, us, w_new, fmt, se, w_prev2=prev, residual=c)
+    if c_decay: m._decay = _decay_kept(m, before, block_grid_scale(before.float() + u, r), c_decay, fmt)
+    m._last_update = (before, us, se)
+    m.w_prev = before
+    m.updates += 1; m._updates_n += 1
+
+def _store_block_residual(c: torch.Tensor, dtype: str, recipe) -> torch.Tensor:
+    "The residual as stored between steps: float32, bfloat16, or (`format`) block-quantized in the layer's own recipe."
+    return quantize_blocks(c, recipe, weight=True).values if dtype == "format" else store_residual(c, dtype, None)
 
 def _measure_view(m, before: torch.Tensor, u: torch.Tensor):
     "FP32 master weights: the stored weight's fidelity and the stall of the 8-bit view the forward uses."
@@ -86,13 +113,22 @@ def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict 
 
     `intended` {weight parameter: update}: an optimizer that lands on the grid itself (integer-exponent Madam on
     E7M0, see `altgrad.optim.Madam.intended`) gives the update it would have made before its own rounding; the
-    mechanism metrics are measured against that, since `w - w_before` is then already on the grid. Returns {}."""
+    mechanism metrics are measured against that, since `w - w_before` is then already on the grid.
+
+    Block layers whose weights live on their block grid (`block_gemm.grid_block_layers`) land the same way, per
+    block (`_land_block`): the block scales follow the landed weights, and the statistics use each weight's block ulp.
+    Returns {}."""
     for _, m in quantized_layers(model):
         before, m._snapshot = m._snapshot, None
         if before is None: continue
         u = m.weight.detach().float() - before.float()
         if m.on_grid: _land(m, before, u, (decay or {}).get(m.weight), (intended or {}).get(m.weight))
         elif m.qw.scale.numel(): _measure_view(m, before, u)
+    for _, m in grid_block_layers(model):
+        before, m._snapshot = m._snapshot, None
+        if before is None or not m.on_grid: continue
+        u = m.weight.detach().float() - before.float()
+        _land_block(m, before, u, (decay or {}).get(m.weight), (intended or {}).get(m.weight))
     return {}
 
 # %% ../nbs/24_step.ipynb #33b90906
@@ -108,7 +144,7 @@ def decay_factors(optimizer, spec) -> dict:
 
 def absorb_landing_errors(model: nn.Module, optimizer, spec):
     "ECO: hand each layer's landing error of this step to the optimizer (`spec.absorb_error`); no-op for other landings."
-    for _, layer in quantized_layers(model):
+    for _, layer in quantized_layers(model) + grid_block_layers(model):
         e, layer._landing_error = layer._landing_error, None
         if e is not None and spec.absorb_error is not None: spec.absorb_error(optimizer, layer.weight, e)
 

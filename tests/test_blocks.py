@@ -18,8 +18,10 @@ def test_quantize_model_swaps_in_block_layers():
     mixed = quantize_model(GPT(GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=64)),
                            layer_formats=[["*.mlp.*", "mxfp4"], ["*", "E4M3"]])
     assert len(block_layers(mixed)) == 4 and len(quantized_layers(mixed)) == 4
-    with pytest.raises(ValueError, match="master_weights='fp32'"):
-        quantize_model(nn.Sequential(nn.Linear(64, 64)), "mxfp8", master_weights="format")
+    on_grid = quantize_model(nn.Sequential(nn.Linear(64, 64)), "mxfp8", master_weights="format", weight_update="kahan")
+    assert [(m.master_weights, m.weight_update) for _, m in block_layers(on_grid)] == [("format", "kahan")]
+    with pytest.raises(ValueError, match="master_weights='format'"):
+        quantize_model(nn.Sequential(nn.Linear(64, 64)), "mxfp8", weight_update="kahan")
 
 
 def test_config_accepts_recipes_and_lists_both():
@@ -72,6 +74,59 @@ def test_block_run_resumes_bit_exactly(small_data, tmp_path):
     from altgrad.trainer import Trainer
     kw = dict(fmt="nvfp4_training", data_dir=str(small_data), wandb_mode="disabled", eval_interval=2, checkpoint_interval=2,
               shadow=False, max_steps=4)
+    straight = Trainer(load_config("smoke", out_dir=str(tmp_path / "a"), **kw), progress=False); straight.fit()
+    first = Trainer(load_config("smoke", out_dir=str(tmp_path / "b"), **kw), progress=False); first.fit(until=2)
+    resumed = Trainer(load_config("smoke", out_dir=str(tmp_path / "b"), resume=True, **kw), progress=False); resumed.fit()
+    assert resumed.step == 4
+    for (n, p), (_, q) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        if torch.is_tensor(p): assert torch.equal(p, q), n
+
+
+def _grid_regime(landing: str) -> str:
+    "The registered AdamW regime that keeps the weights on the grid and lands them by `landing`."
+    from altgrad.regimes import UPDATE_RULES
+    return next(r.name for r in UPDATE_RULES.values() if r.master_weights == "format" and r.landing == landing
+                and r.optimizer == "adamw" and r.residual_dtype == "fp32")
+
+
+def _landings():
+    from altgrad.grid import LANDINGS
+    return list(LANDINGS)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("landing", _landings())
+def test_block_weights_on_the_grid_train(fmt, landing, small_data, tmp_path):
+    "Every landing trains a block recipe with its weights on the block grid: they stay on it, and the step is measured."
+    from altgrad.config import load_config
+    from altgrad.trainer import Trainer
+    from altgrad.block_gemm import grid_block_layers
+    from altgrad.microscaling import quantize_blocks
+    from altgrad.grid import LANDINGS
+    from altgrad.runs import load_run
+    cfg = load_config("smoke", fmt=fmt, regime=_grid_regime(landing), max_steps=3, data_dir=str(small_data),
+                      out_dir=str(tmp_path / "r"), wandb_mode="disabled", eval_interval=3, checkpoint_interval=3, shadow=False)
+    t = Trainer(cfg, progress=False); s = t.fit()
+    assert s["final_step"] == 3 and math.isfinite(s["final_train_loss"]) and math.isfinite(s["final_val_loss"])
+    layers = grid_block_layers(t.model)
+    assert len(layers) == 8
+    for name, m in layers:
+        assert int(m.updates) == 3 and m.weight_update == landing, name
+        assert torch.equal(quantize_blocks(m.weight, m.config.recipe, weight=True).values, m.weight.detach()), name
+    run = load_run(tmp_path / "r")
+    assert len(run.keys("stall/")) == 9 and len(run.keys("rho/")) == 9           # 8 layers and the total
+    for k in ("stall/total", "rho/total", "update_ratio/total", "zero_frac/total"): assert math.isfinite(run.last(k)), k
+    assert 0 <= run.last("stall/total") <= 1
+    assert bool(run.keys("residual_ulp/")) == LANDINGS[landing].residual
+
+
+@pytest.mark.parametrize("regime", ["kahan", "stochastic"])
+def test_block_grid_run_resumes_bit_exactly(regime, small_data, tmp_path):
+    "Weights on an NVFP4 grid (Kahan residual, stochastic landing's stream) stopped and resumed: the same weights as one run."
+    from altgrad.config import load_config
+    from altgrad.trainer import Trainer
+    kw = dict(fmt="nvfp4", regime=regime, data_dir=str(small_data), wandb_mode="disabled", eval_interval=2,
+              checkpoint_interval=2, shadow=False, max_steps=4)
     straight = Trainer(load_config("smoke", out_dir=str(tmp_path / "a"), **kw), progress=False); straight.fit()
     first = Trainer(load_config("smoke", out_dir=str(tmp_path / "b"), **kw), progress=False); first.fit(until=2)
     resumed = Trainer(load_config("smoke", out_dir=str(tmp_path / "b"), resume=True, **kw), progress=False); resumed.fit()
