@@ -9,12 +9,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 from .formats import get_format, to_bits
+from .metrics import HostRead
 from .microscaling import BlockRecipe, get_recipe, quantize_blocks, block_stats, _blocked, _scale_code_range
 
 # %% auto #0
 __all__ = ['OPERAND_ROUNDINGS', 'GEMM_CONFIGS', 'BlockGemmConfig', 'get_gemm_config', 'hadamard_matrix', 'rotate_rows',
            'BlockLinear', 'is_block_format', 'canonical_format', 'block_layer', 'block_layers', 'block_operands',
-           'operand_diagnostics', 'block_metrics', 'block_histograms']
+           'operand_diagnostics', 'block_metric_parts', 'block_metrics', 'block_histograms']
 
 # %% ../nbs/08_block_gemm.ipynb #0641ccfa
 OPERAND_ROUNDINGS = ("nearest", "stochastic")
@@ -190,15 +191,26 @@ def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[
     return d, s["scale_hist"]
 
 # %% ../nbs/08_block_gemm.ipynb #4da4730d
-def block_metrics(model: nn.Module) -> dict:
-    "Per layer and operand, `operand_diagnostics`' figures as `<name>/<layer>/<op>`, with `overflow/max`; {} if none."
-    out, ovf = {}, 0.0
+def block_metric_parts(model: nn.Module):
+    """`block_metrics` left on the device: (one float64 tensor of every figure, the function that turns its numbers into
+    the dict), for a `metrics.HostRead`; None without block layers."""
+    keys, vals = [], []
     for name, m in block_layers(model):
         for role, (x, r, w) in block_operands(m).items():
-            d = operand_diagnostics(x, r, w)[0]
-            for k, v in d.items(): out[f"{k}/{name}/{role}"] = float(v)
-            ovf = max(ovf, out[f"overflow/{name}/{role}"])
-    return out | {"overflow/max": ovf} if out else out
+            for k, v in operand_diagnostics(x, r, w)[0].items():
+                keys.append(f"{k}/{name}/{role}"); vals.append(v.reshape(()).to(torch.float64))
+    if not keys: return None
+    def build(flat) -> dict:
+        out, ovf = dict(zip(keys, flat)), 0.0
+        for k in keys:
+            if k.startswith("overflow/"): ovf = max(ovf, out[k])
+        return out | {"overflow/max": ovf}
+    return torch.stack(vals), build
+
+def block_metrics(model: nn.Module) -> dict:
+    "Per layer and operand, `operand_diagnostics`' figures as `<name>/<layer>/<op>`, with `overflow/max`; {} if none."
+    parts = block_metric_parts(model)
+    return HostRead().add(*parts).metrics() if parts else {}
 
 def block_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     "`{layer: {'scale_<op>': histogram of the scale codes}}` of every `BlockLinear`'s W, last A and last G."
