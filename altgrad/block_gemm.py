@@ -180,7 +180,7 @@ def _scale_clamped(x: torch.Tensor, b, r: BlockRecipe, weight: bool) -> torch.Te
 
 def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[dict, torch.Tensor]:
     "(scalar diagnostics, scale-code histogram) of block-quantizing `x` along its last axis with `recipe`."
-    r = get_recipe(recipe); x = x.detach().float(); b = quantize_blocks(x, r, weight=weight, compiled=False)
+    r = get_recipe(recipe); x = x.detach().float(); b = quantize_blocks(x, r, weight=weight)
     s = block_stats(x, b, r)
     sat = (b.elements.abs() == get_format(r.elem).max_value) & (x.abs() > b.values.abs())
     und = (b.values == 0) & (x != 0)

@@ -130,6 +130,10 @@ def e8m0_factors(codes: torch.Tensor, rounding: str = "floor") -> tuple[torch.Te
     return _e8m0_factors_int(codes.int(), rounding)
 
 # %% ../nbs/07_microscaling.ipynb #d415699e
+def _fmt_args(fmt, device) -> dict:
+    "The eager `quantize` kernel's parameters of `fmt` (Python numbers; the overflow value a tensor on `device`)."
+    p = _kernel_params(fmt); p["ovf"] = torch.tensor(p["ovf"], device=device); return p
+
 def _clamp(y: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     "`y.clamp(lo, hi)`, a NaN passed through with its bits (a compiled clamp would make it all ones)."
     return torch.where(y < lo, lo, torch.where(y > hi, hi, y))
@@ -159,10 +163,6 @@ class Blocked(NamedTuple):
     scales: torch.Tensor                # E8M0 codes (uint8) or UE4M3 values (float32), (rows/t, K/block)
     tensor_scale: torch.Tensor | None   # NVFP4's FP32 per-tensor scale, else None
 
-def _fmt_args(fmt, device) -> dict:
-    "The eager `quantize` kernel's parameters of `fmt` (Python numbers; the overflow value a tensor on `device`)."
-    p = _kernel_params(fmt); p["ovf"] = torch.tensor(p["ovf"], device=device); return p
-
 _ARGS: dict = {}
 
 def _block_args(r: BlockRecipe, device) -> dict:
@@ -188,7 +188,7 @@ def _scales_of(amax: torch.Tensor, a: dict):
     return (c.to(torch.uint8), *_e8m0_factors_int(c, a["rounding"]), None)
 
 # %% ../nbs/07_microscaling.ipynb #2acbf946
-BLOCK_COMPILE_MIN_NUMEL = 1 << 20
+BLOCK_COMPILE_MIN_NUMEL = 1 << 16     # the study preset's activations (512 x 128) and up; the smoke preset's stay eager
 _compiled_view: list = []
 
 def _block_kernel(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
