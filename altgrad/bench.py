@@ -20,9 +20,10 @@ from .trainer import Trainer, device_info
 
 # %% auto #0
 __all__ = ['COMPILE_PROBE', 'BYTES_PER_ELEMENT', 'BLOCK_TARGET', 'DEFAULT_RULES', 'RULE_TARGETS', 'TRAIN_TARGET',
-           'DEVICE_TARGETS', 'PROFILE_REGIONS', 'time_side_by_side', 'bench_quantize', 'bench_blocks',
-           'interleave_steps', 'bench_rules', 'unmet_goals', 'train_targets', 'layer_time_share', 'compile_goals',
-           'bench_train', 'peak_matmul_tflops', 'mfu', 'run_wave', 'knee', 'bench_jobs', 'main']
+           'DEVICE_TARGETS', 'PROFILE_REGIONS', 'BLOCK_TRAIN_TARGET', 'time_side_by_side', 'bench_quantize',
+           'bench_blocks', 'interleave_steps', 'bench_rules', 'unmet_goals', 'train_targets', 'layer_time_share',
+           'compile_goals', 'block_goals', 'bench_train', 'peak_matmul_tflops', 'mfu', 'run_wave', 'knee', 'bench_jobs',
+           'main']
 
 # %% ../nbs/27_bench.ipynb #ce63491f
 def time_side_by_side(fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 1,
@@ -207,13 +208,23 @@ def compile_goals(ratio: dict, fmt: str | None, target: float = TRAIN_TARGET) ->
         out[f"{fmt}+compiled_over_plain+compiled"] = dict(ratio=r, target=target, met=r <= target)
     return out
 
+BLOCK_TRAIN_TARGET = 1.3   # goal: a block recipe's step (e.g. mxfp8) over the tensor-wise step of `fmt` (E4M3)
+
+def block_goals(med: dict, fmt: str | None, recipes, target: float = BLOCK_TRAIN_TARGET) -> dict:
+    "Each block recipe's median step over `fmt`'s (the tensor-wise step of the same element width), against `target`."
+    return {f"{r}_over_{fmt}": dict(ratio=med[r] / med[fmt], target=target, met=med[r] / med[fmt] <= target)
+            for r in recipes if fmt} if recipes else {}
+
 def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, data_dir: str | None = None,
-                warmup: int = 3, profile: int = 0, shadow: bool = True, compiled: bool = False, **overrides) -> dict:
+                warmup: int = 3, profile: int = 0, shadow: bool = True, compiled: bool = False, recipes=(),
+                **overrides) -> dict:
     """Median step time of plain (/ +shadow) (/ fmt / fmt+shadow) trainers of `preset`, interleaved; ratios to plain.
 
     The goals (`train_targets`: `TRAIN_TARGET` on the CPU, `DEVICE_TARGETS` on a GPU) are the 8-bit step over the plain one. `profile` > 0 adds `layer_time_share` of the 8-bit
     trainer over that many further steps (the profile that explains the ratio). `compiled` adds `plain+compiled` and
-    `fmt+compiled` (`compile=on`; compiled in the warm-up rounds) and the goals in `compile_goals`."""
+    `fmt+compiled` (`compile=on`; compiled in the warm-up rounds) and the goals in `compile_goals`. `recipes` (block
+    recipe names) adds one trainer per recipe and `block_goals` (each over `fmt`'s step); `mean_step_time` counts the
+    steps that log (every `log_interval`-th), which the medians leave out."""
     with tempfile.TemporaryDirectory() as tmp:
         if data_dir is None:
             sd = shared_data_dir()
@@ -224,6 +235,7 @@ def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, 
         if compiled:
             variants.update({"plain+compiled": dict(fmt=None, shadow=False, compile=True),
                              **({f"{fmt}+compiled": dict(fmt=fmt, shadow=False, compile=True)} if fmt else {})})
+        variants.update({r: dict(fmt=r, shadow=False) for r in recipes})
         trainers = {k: Trainer(load_config(preset, data_dir=str(data_dir), out_dir=str(Path(tmp) / k.replace("+", "_")),
                                            max_steps=warmup + steps + profile, wandb_mode="disabled", **{**overrides, **v}), progress=False)
                     for k, v in variants.items()}
@@ -238,8 +250,10 @@ def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, 
     tg = {k: v for k, v in train_targets(fmt, device).items() if k in ratio} if fmt else {}
     goal = dict(targets=tg, met=all(ratio[k] <= v for k, v in tg.items())) if fmt else {}
     if compiled: goal["compile_goals"] = compile_goals(ratio, fmt, tg.get(fmt, TRAIN_TARGET) if fmt else TRAIN_TARGET)
+    if recipes: goal["block_goals"] = block_goals(med, fmt, recipes)
     return dict(preset=preset, fmt=fmt, steps=steps, **_env(device),
-                tokens_per_step=tps, step_time=med, tokens_per_sec={k: tps / v for k, v in med.items()}, ratio=ratio, **goal, **util,
+                tokens_per_step=tps, step_time=med, mean_step_time={k: statistics.mean(v) for k, v in times.items()},
+                tokens_per_sec={k: tps / v for k, v in med.items()}, ratio=ratio, **goal, **util,
                 **({"profile": prof} if prof else {}))
 
 # %% ../nbs/27_bench.ipynb #d7b2e9d0
@@ -324,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also profile the 8-bit trainer over STEPS further steps: share of time in the 8-bit layers, top operators")
     t.add_argument("--no-shadow", action="store_true", help="without --rules: leave out the +shadow trainers")
     t.add_argument("--compiled", action="store_true", help="without --rules: also plain and 8-bit with compile=on")
+    t.add_argument("--recipes", default="", metavar="RECIPE,...",
+                   help="without --rules: also block recipes (e.g. mxfp8), each timed against --fmt's step")
     t.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the preset's, auto = CUDA when there is one)")
     j = sub.add_parser("jobs", help="runs per hour against concurrent runs per device; the knee is --jobs' default", parents=[strict])
     j.add_argument("--preset", default="gpu")
@@ -352,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         if bad: p.error(f"--rules: unknown rule(s) {bad}; valid: {', '.join(UPDATE_RULES)}")
         res = bench_rules(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup, rules=rules, shadow=a.shadow, **dev)
     else:
+        try: recipes = [get_recipe(n.strip()).name for n in a.recipes.split(",") if n.strip()]
+        except KeyError as e: p.error(f"--recipes: {e.args[0]}")
         res = bench_train(**dev, preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup,
-                          profile=a.profile, shadow=not a.no_shadow, compiled=a.compiled)
+                          profile=a.profile, shadow=not a.no_shadow, compiled=a.compiled, recipes=recipes)
     print(json.dumps(res, indent=1))
     missed = unmet_goals(res)
     if a.strict and missed:

@@ -11,13 +11,14 @@ from torch import nn
 from fastcore.basics import patch
 from .formats import get_format, to_bits
 from .grid import MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, land, ratio_histogram
-from .microscaling import BlockRecipe, get_recipe, quantize_blocks, block_stats, _blocked, _block_scales, _scale_code_range
+from .metrics import HostRead
+from .microscaling import BlockRecipe, get_recipe, quantize_blocks, block_stats, _blocked, _block_args, _scales_of, _scale_code_range
 
 # %% auto #0
 __all__ = ['OPERAND_ROUNDINGS', 'GEMM_CONFIGS', 'BlockGemmConfig', 'get_gemm_config', 'hadamard_matrix', 'rotate_rows',
            'BlockLinear', 'block_grid_format', 'block_grid_scale', 'on_block_grid', 'land_block', 'is_block_format',
            'canonical_format', 'block_layer', 'block_layers', 'grid_block_layers', 'block_operands',
-           'operand_diagnostics', 'block_metrics', 'block_histograms']
+           'operand_diagnostics', 'block_metric_parts', 'block_metrics', 'block_histograms']
 
 # %% ../nbs/08_block_gemm.ipynb #0641ccfa
 OPERAND_ROUNDINGS = ("nearest", "stochastic")
@@ -142,7 +143,7 @@ def block_grid_scale(x: torch.Tensor, recipe) -> torch.Tensor:
     "Each element's multiplier onto its weight block's element grid (`quantize`'s `scale`: 1 / the block's scale), `x`'s shape."
     r = get_recipe(recipe); x2 = x.detach().float().reshape(-1, x.shape[-1])
     xv = _blocked(x2, r, True)
-    _, mul, div, _, _ = _block_scales(xv, xv.abs().amax(dim=(1, 3), keepdim=True), r)
+    _, mul, div, _, _ = _scales_of(xv.abs().amax(dim=(1, 3), keepdim=True), _block_args(r, xv.device))
     return (mul if div is None else 1.0 / div).expand_as(xv).reshape(x.shape)
 
 def on_block_grid(x: torch.Tensor, recipe, max_iter: int = 4) -> torch.Tensor:
@@ -154,12 +155,12 @@ def on_block_grid(x: torch.Tensor, recipe, max_iter: int = 4) -> torch.Tensor:
         q = n
     return q
 
-def land_block(w: torch.Tensor, u: torch.Tensor, recipe, rule: str = "nearest", residual: torch.Tensor | None = None,
+def land_block(w: torch.Tensor, u: torch.Tensor, recipe, landing: str = "nearest", residual: torch.Tensor | None = None,
                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    "`w + u` landed by `rule` (a `grid.LANDINGS` name) on the block grid of the value that lands: `(w_new, residual_new)`."
+    "`w + u` landed by `landing` (a `grid.LANDINGS` name) on the block grid of the value that lands: `(w_new, residual_new)`."
     r = get_recipe(recipe); w, u = w.detach().float(), u.detach().float()
     aim = w + u if residual is None else w + u + residual.float()
-    wl, c = land(w, u, block_grid_format(r), block_grid_scale(aim, r), rule, residual, generator)
+    wl, c = land(w, u, block_grid_format(r), block_grid_scale(aim, r), landing, residual, generator)
     wn = on_block_grid(wl, r)
     return wn, (None if c is None else c + (wl - wn))            # a residual also keeps what settling moved
 
@@ -271,7 +272,7 @@ def _scale_clamped(x: torch.Tensor, b, r: BlockRecipe, weight: bool) -> torch.Te
 
 def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[dict, torch.Tensor]:
     "(scalar diagnostics, scale-code histogram) of block-quantizing `x` along its last axis with `recipe`."
-    r = get_recipe(recipe); x = x.detach().float(); b = quantize_blocks(x, r, weight=weight, compiled=False)
+    r = get_recipe(recipe); x = x.detach().float(); b = quantize_blocks(x, r, weight=weight)
     s = block_stats(x, b, r)
     sat = (b.elements.abs() == get_format(r.elem).max_value) & (x.abs() > b.values.abs())
     und = (b.values == 0) & (x != 0)
@@ -282,15 +283,26 @@ def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[
     return d, s["scale_hist"]
 
 # %% ../nbs/08_block_gemm.ipynb #4da4730d
-def block_metrics(model: nn.Module) -> dict:
-    "Per layer and operand, `operand_diagnostics`' figures as `<name>/<layer>/<op>`, with `overflow/max`; {} if none."
-    out, ovf = {}, 0.0
+def block_metric_parts(model: nn.Module):
+    """`block_metrics` left on the device: (one float64 tensor of every figure, the function that turns its numbers into
+    the dict), for a `metrics.HostRead`; None without block layers."""
+    keys, vals = [], []
     for name, m in block_layers(model):
         for role, (x, r, w) in block_operands(m).items():
-            d = operand_diagnostics(x, r, w)[0]
-            for k, v in d.items(): out[f"{k}/{name}/{role}"] = float(v)
-            ovf = max(ovf, out[f"overflow/{name}/{role}"])
-    return out | {"overflow/max": ovf} if out else out
+            for k, v in operand_diagnostics(x, r, w)[0].items():
+                keys.append(f"{k}/{name}/{role}"); vals.append(v.reshape(()).to(torch.float64))
+    if not keys: return None
+    def build(flat) -> dict:
+        out, ovf = dict(zip(keys, flat)), 0.0
+        for k in keys:
+            if k.startswith("overflow/"): ovf = max(ovf, out[k])
+        return out | {"overflow/max": ovf}
+    return torch.stack(vals), build
+
+def block_metrics(model: nn.Module) -> dict:
+    "Per layer and operand, `operand_diagnostics`' figures as `<name>/<layer>/<op>`, with `overflow/max`; {} if none."
+    parts = block_metric_parts(model)
+    return HostRead().add(*parts).metrics() if parts else {}
 
 def block_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     """`{layer: {'scale_<op>': histogram of the scale codes}}` of every `BlockLinear`'s W, last A and last G, and

@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 import torch
-from .formats import get_format, quantize, to_bits, compile_kernel, compile_mode, _compile_broken
+from .formats import (get_format, quantize, to_bits, compile_kernel, compile_mode, _compile_broken, _kernel_params,
+                             _kernel_nearest, _kernel_stochastic, _draw_seed)
 from .notice import notice
 
 # %% auto #0
@@ -83,49 +84,76 @@ def _blocked(x2: torch.Tensor, r: BlockRecipe, weight: bool) -> torch.Tensor:
 # %% ../nbs/07_microscaling.ipynb #af58ce31
 def _emax(fmt) -> int: "Exponent of the largest binade of `fmt` (E4M3: 8, E5M2: 15, E2M1: 2)."; return math.frexp(fmt.max_value)[1] - 1
 
-def e8m0_codes(amax: torch.Tensor, elem, rounding: str = "floor") -> torch.Tensor:
-    "E8M0 codes (uint8) of the scales of blocks whose largest magnitude is `amax`, for elements of `elem`."
-    fmt = get_format(elem); a = amax.float()
-    if rounding == "rceil": return _rceil_codes(a / fmt.max_value)
+def _e8m0_int(a: torch.Tensor, rounding: str, mx: float, emax: int, man: int) -> torch.Tensor:
+    "E8M0 codes (int32) of float32 block amaxes `a` for elements of maximum `mx`, top exponent `emax`, `man` mantissa bits."
+    if rounding == "rceil": return _rceil_int(a / mx)
     if rounding == "even":
-        up = (a.view(torch.int32) + (1 << (22 - fmt.man_bits))) & 0x7F800000      # amax at the element's precision
+        up = (a.view(torch.int32) + (1 << (22 - man))) & 0x7F800000      # amax at the element's precision
         a = torch.where(a.isnan(), a, up.view(torch.float32))
     bits = a.view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - 127 - _emax(fmt)
+    e = ((bits >> 23) & 0xFF) - 127 - emax
     if rounding == "ceil": e = e + ((bits & 0x7FFFFF) > 0).int()
-    return torch.where(a.isnan(), 255, e.clamp(-127, 128) + 127).to(torch.uint8)
+    return torch.where(a.isnan(), 255, e.clamp(-127, 128) + 127)
+
+def e8m0_codes(amax: torch.Tensor, elem, rounding: str = "floor") -> torch.Tensor:
+    "E8M0 codes (uint8) of the scales of blocks whose largest magnitude is `amax`, for elements of `elem`."
+    fmt = get_format(elem)
+    return _e8m0_int(amax.float(), rounding, fmt.max_value, _emax(fmt), fmt.man_bits).to(torch.uint8)
 
 # %% ../nbs/07_microscaling.ipynb #867077e9
+def _rceil_int(d: torch.Tensor) -> torch.Tensor:
+    "E8M0 codes (int32) of `d` rounded up to a power of two (saturating at 2^127; 0 -> code 0, inf -> 254, NaN -> 255)."
+    bits = d.view(torch.int32); be, man = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    code = (be - 127 + (man != 0).int()).clamp(max=127) + 127        # a normal d: ceil(log2 d), from its bits
+    code = torch.where(be == 0, (bits > 0x400000).int(), code)        # 0 and subnormals: code 1 above 2^-127, else 0
+    return torch.where(be == 255, 255 - (man == 0).int(), code)                # inf 254, NaN 255
+
 def _rceil_codes(d: torch.Tensor) -> torch.Tensor:
-    "E8M0 codes of `d` rounded up to a power of two (saturating at 2^127; 0 -> code 0, inf -> 254, NaN -> 255)."
-    m, e = torch.frexp(d)                                 # d = m·2^e, m in [0.5, 1)
-    code = (torch.where(m == 0.5, e - 1, e).clamp(-127, 127) + 127)
-    code = torch.where(d == 0, 0, torch.where(d.isinf(), 254, code))
-    return torch.where(d.isnan(), 255, code).to(torch.uint8)
+    "E8M0 codes (uint8) of `d` rounded up to a power of two (saturating at 2^127; 0 -> code 0, inf -> 254, NaN -> 255)."
+    return _rceil_int(d.float()).to(torch.uint8)
 
 # %% ../nbs/07_microscaling.ipynb #d5f99d53
-def _pow2(e: torch.Tensor) -> torch.Tensor: "Exact float32 2^e for integer e in [-149, 127]."; return torch.ldexp(torch.ones_like(e, dtype=torch.float64), e.long()).float()
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    "Exact float32 2^e for integer e in [-127, 127], from its bits (2^-127 is a subnormal)."
+    return torch.where(e > -127, (e + 127) << 23, 0x400000).view(torch.float32)
 
-def e8m0_factors(codes: torch.Tensor, rounding: str = "floor") -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    "(multiplier, divisor, effective scale) of E8M0 `codes`: one of the first two is None; code 255 gives NaN/inf."
-    c = codes.int()
+def _e8m0_factors_int(c: torch.Tensor, rounding: str):
+    "`e8m0_factors` of int32 codes `c`."
     if rounding == "rceil":
         mul = torch.where(c == 0, 1.0, _pow2(127 - c)); eff = torch.where(c == 0, 1.0, _pow2(c - 127))
         return torch.where(c == 255, float("nan"), mul), None, torch.where(c == 255, float("nan"), eff)
     div = (c << 23).view(torch.float32).clamp(min=2.0 ** -126)                  # 255 -> inf, as torchao
     return None, div, div
 
+def e8m0_factors(codes: torch.Tensor, rounding: str = "floor") -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    "(multiplier, divisor, effective scale) of E8M0 `codes`: one of the first two is None; code 255 gives NaN/inf."
+    return _e8m0_factors_int(codes.int(), rounding)
+
 # %% ../nbs/07_microscaling.ipynb #d415699e
+def _fmt_args(fmt, device) -> dict:
+    "The eager `quantize` kernel's parameters of `fmt` (Python numbers; the overflow value a tensor on `device`)."
+    p = _kernel_params(fmt); p["ovf"] = torch.tensor(p["ovf"], device=device); return p
+
+def _clamp(y: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    "`y.clamp(lo, hi)`, a NaN passed through with its bits (a compiled clamp would make it all ones)."
+    return torch.where(y < lo, lo, torch.where(y > hi, hi, y))
+
+def _ue4m3_int(amax, tensor_amax, mx: float, smin: float, smax: float, sp: dict, one: torch.Tensor):
+    "`ue4m3_scales` of float32 `amax` for elements of maximum `mx`, a scale format of range `smin`..`smax` and kernel `sp`."
+    bs, pts = amax / mx, None
+    if tensor_amax is not None:
+        pts = torch.where(tensor_amax == 0, 1.0, tensor_amax / (smax * mx))   # NaN stays NaN
+        bs = bs / pts
+    s = _kernel_nearest(_clamp(bs, smin, smax), one, **sp)
+    if pts is None: return s, 1.0 / s, s, None
+    return s, (1.0 / pts) / s, pts * s, pts
+
 def ue4m3_scales(amax: torch.Tensor, tensor_amax: torch.Tensor | None, elem, scale_fmt="UE4M3"):
     "(block scales on `scale_fmt`, multiplier, effective scale, tensor scale or None) of blocks with largest magnitude `amax`."
     fmt, sf = get_format(elem), get_format(scale_fmt)
-    bs, pts = amax.float() / fmt.max_value, None
-    if tensor_amax is not None:
-        pts = torch.where(tensor_amax == 0, 1.0, tensor_amax.float() / (sf.max_value * fmt.max_value))   # NaN stays NaN
-        bs = bs / pts
-    s = quantize(bs.clamp(sf.min_normal, sf.max_value), sf)
-    if pts is None: return s, 1.0 / s, s, None
-    return s, (1.0 / pts) / s, pts * s, pts
+    ta = None if tensor_amax is None else tensor_amax.float()
+    return _ue4m3_int(amax.float(), ta, fmt.max_value, sf.min_normal, sf.max_value, _fmt_args(sf, amax.device),
+                      torch.tensor(1.0, device=amax.device))
 
 # %% ../nbs/07_microscaling.ipynb #55e552b5
 class Blocked(NamedTuple):
@@ -135,32 +163,48 @@ class Blocked(NamedTuple):
     scales: torch.Tensor                # E8M0 codes (uint8) or UE4M3 values (float32), (rows/t, K/block)
     tensor_scale: torch.Tensor | None   # NVFP4's FP32 per-tensor scale, else None
 
-def _block_scales(xv: torch.Tensor, amax: torch.Tensor, r: BlockRecipe):
-    "(scales, multiplier, divisor, effective scale, tensor scale) of the blocked view `xv`."
-    if r.scale == "UE8M0":
-        c = e8m0_codes(amax, r.elem, r.scale_rounding); return (c, *e8m0_factors(c, r.scale_rounding), None)
-    s, mul, eff, pts = ue4m3_scales(amax, xv.abs().amax() if r.tensor_scale else None, r.elem, r.scale)
-    return s, mul, None, eff, pts
+_ARGS: dict = {}
+
+def _block_args(r: BlockRecipe, device) -> dict:
+    "Everything `_block_kernel` needs to know of recipe `r`, as constants (cached per recipe and device)."
+    key = (r, str(device))
+    if key not in _ARGS:
+        fmt = get_format(r.elem)
+        a = dict(rounding=r.scale_rounding if r.scale == "UE8M0" else None, mx=fmt.max_value, emax=_emax(fmt),
+                 man=fmt.man_bits, ep=_fmt_args(fmt, device), tensor_scale=r.tensor_scale,
+                 one=torch.tensor(1.0, device=device))
+        if r.scale != "UE8M0":
+            sf = get_format(r.scale); a.update(smin=sf.min_normal, smax=sf.max_value, sp=_fmt_args(sf, device))
+        _ARGS[key] = a
+    return _ARGS[key]
+
+def _scales_of(amax: torch.Tensor, a: dict):
+    "(scales, multiplier, divisor, effective scale, tensor scale) of blocks of largest magnitude `amax` (`_block_args` `a`)."
+    if a["rounding"] is None:
+        s, mul, eff, pts = _ue4m3_int(amax, amax.amax() if a["tensor_scale"] else None, a["mx"], a["smin"], a["smax"],
+                                      a["sp"], a["one"])
+        return s, mul, None, eff, pts
+    c = _e8m0_int(amax, a["rounding"], a["mx"], a["emax"], a["man"])
+    return (c.to(torch.uint8), *_e8m0_factors_int(c, a["rounding"]), None)
 
 # %% ../nbs/07_microscaling.ipynb #2acbf946
-BLOCK_COMPILE_MIN_NUMEL = 1 << 20
+BLOCK_COMPILE_MIN_NUMEL = 1 << 16     # the study preset's activations (512 x 128) and up; the smoke preset's stay eager
 _compiled_view: list = []
 
-def _quantize_view(xv: torch.Tensor, r: BlockRecipe, rounding: str = "nearest", generator=None):
+def _block_kernel(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
     "(values, elements, scales, tensor scale) of the blocked view `xv`: amax, scales, range, rounding, scaling back."
-    fmt = get_format(r.elem)
     amax = xv.abs().amax(dim=(1, 3), keepdim=True)
-    scales, mul, div, eff, pts = _block_scales(xv, amax, r)
-    y = (xv * mul if div is None else xv / div).clamp(-fmt.max_value, fmt.max_value)
-    q = quantize(y, fmt, rounding=rounding, generator=generator)
+    scales, mul, div, eff, pts = _scales_of(amax, a)
+    y = _clamp(xv * mul if div is None else xv / div, -a["mx"], a["mx"])
+    q = _kernel_nearest(y, a["one"], **a["ep"]) if seed is None else _kernel_stochastic(y, a["one"], seed, **a["ep"])
     return q * eff, q, scales, pts
 
 def _view_kernel(xv: torch.Tensor, rounding: str, compiled: bool | None):
-    "The compiled `_quantize_view` where it pays (or is forced), else the eager one."
+    "The compiled `_block_kernel` where it pays (or is forced), else the eager one."
     mode = compile_mode()
     want = compiled if compiled is not None else (mode == "always" or (mode == "auto" and xv.numel() >= BLOCK_COMPILE_MIN_NUMEL))
-    if not want or rounding != "nearest" or _compile_broken or torch.compiler.is_compiling(): return _quantize_view
-    if not _compiled_view: _compiled_view.append(compile_kernel(_quantize_view))
+    if not want or rounding != "nearest" or _compile_broken or torch.compiler.is_compiling(): return _block_kernel
+    if not _compiled_view: _compiled_view.append(compile_kernel(_block_kernel))
     return _compiled_view[0]
 
 # %% ../nbs/07_microscaling.ipynb #d83ca67f
@@ -168,15 +212,18 @@ def quantize_blocks(x: torch.Tensor, recipe, axis: int = -1, weight: bool = Fals
                     generator: torch.Generator | None = None, compiled: bool | None = None) -> Blocked:
     "Quantize `x` with block `recipe` along `axis` (the reduction dimension of the GEMM that reads it)."
     r = get_recipe(recipe)
+    if rounding not in ("nearest", "stochastic"): raise ValueError(f"rounding={rounding!r} is not 'nearest' or 'stochastic'")
     xt = x.detach().float().movedim(axis, -1); shape = xt.shape
     xv = _blocked(xt.reshape(-1, shape[-1]), r, weight)
+    a = _block_args(r, xv.device)
+    seed = _draw_seed(generator, xv.device) if rounding == "stochastic" else None
     fn = _view_kernel(xv, rounding, compiled)
-    try: values, q, scales, pts = fn(xv, r, rounding, generator)
+    try: values, q, scales, pts = fn(xv, a, seed)
     except Exception as e:                 # no C++ compiler, unsupported device...: the eager kernel, once noticed
-        if fn is _quantize_view or compiled: raise
+        if fn is _block_kernel or compiled: raise
         _compile_broken.append(repr(e))
         notice(f"torch.compile of the block quantizer failed ({type(e).__name__}); using the eager kernel")
-        values, q, scales, pts = _quantize_view(xv, r, rounding, generator)
+        values, q, scales, pts = _block_kernel(xv, a, seed)
     back = lambda t: t.reshape(shape).movedim(-1, axis)
     return Blocked(back(values), back(q), scales.reshape(xv.shape[0], xv.shape[2]), pts)
 
@@ -233,7 +280,7 @@ def element_scales(x: torch.Tensor, recipe, axis: int = -1, weight: bool = False
     "Each element's effective scale under `recipe` (its block's scale, times the tensor scale), in `x`'s shape."
     r = get_recipe(recipe); xt = x.detach().float().movedim(axis, -1); shape = xt.shape
     xv = _blocked(xt.reshape(-1, shape[-1]), r, weight)
-    eff = _block_scales(xv, xv.abs().amax(dim=(1, 3), keepdim=True), r)[3]
+    eff = _scales_of(xv.abs().amax(dim=(1, 3), keepdim=True), _block_args(r, xv.device))[3]
     return eff.expand_as(xv).reshape(shape).movedim(-1, axis)
 
 def block_ulp(x: torch.Tensor, recipe, axis: int = -1, weight: bool = False) -> torch.Tensor:

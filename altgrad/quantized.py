@@ -19,7 +19,7 @@ from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_dis
 from .notice import notice
 from .metrics import HostRead
 from .grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, stats_dict, STAT_FIELDS, ratio_histogram
-from .block_gemm import is_block_format, block_layer, block_layers, grid_block_layers, block_metrics, block_histograms
+from .block_gemm import is_block_format, block_layer, block_layers, grid_block_layers, block_metric_parts, block_histograms
 
 # %% auto #0
 __all__ = ['SCALINGS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer', 'QuantizedLinear',
@@ -552,15 +552,17 @@ def load_pending_amax(model: nn.Module, pending: dict | None):
 
 _UPDATE_KEYS = ("stall", "pred_stall", "update_ratio", "rho", "lost_update", "flip_back", "zero_frac", "residual_ulp")
 
-def quant_metrics(model: nn.Module) -> dict:
-    "Overflow/underflow rates per layer and operand, update mechanism, clipping, non-finite flags since the last call."
-    return queue_quant_metrics(HostRead(), model).metrics()
+def quant_metrics(model: nn.Module, block: bool = True) -> dict:
+    """Overflow/underflow rates per layer and operand, update mechanism, clipping, non-finite flags since the last call;
+    with `block`, the block layers' diagnostics (`block_gemm.block_metrics`)."""
+    return queue_quant_metrics(HostRead(), model, block).metrics()
 
-def queue_quant_metrics(reads: HostRead, model: nn.Module) -> HostRead:
-    "Queue `quant_metrics` on `reads`: the counts and statistics are taken (copied) and reset now, read with the step."
-    layers, blk = quantized_layers(model), block_metrics(model)     # blk: block layers' diagnostics (08_block_gemm)
-    grid = grid_block_layers(model)                                 # block layers whose weights live on their grid
-    if not layers and not grid: return reads.add(torch.zeros(0), lambda _: blk)
+def queue_quant_metrics(reads: HostRead, model: nn.Module, block: bool = True) -> HostRead:
+    """Queue `quant_metrics` on `reads`: the counts and statistics are taken (copied) and reset now, read with the step.
+    `block=False` leaves out the block layers' diagnostics (the trainer computes them on the steps it logs only)."""
+    layers, grid = quantized_layers(model), grid_block_layers(model)   # grid: block layers whose weights live on their grid
+    blk = block_metric_parts(model) if block else None   # block layers' diagnostics on the device (08_block_gemm)
+    if not layers and not grid: return reads.add(*blk) if blk else reads.add(torch.zeros(0), lambda _: {})
     rows, meta, upd = [], [], []
     for name, m in layers:
         for role, q in m.quantizers().items():
@@ -594,8 +596,10 @@ def queue_quant_metrics(reads: HostRead, model: nn.Module) -> HostRead:
         out = _quant_metrics_dict(meta, [flat[3 * k: 3 * k + 3] for k in range(len(rows))], upd,
                                   [flat[nv + nt + k * F: nv + nt + (k + 1) * F] for k in range(len(upd))])
         if not blk: return out
-        return out | blk | {"overflow/max": max(out["overflow/max"], blk["overflow/max"])}
-    flat = torch.cat([vals.reshape(-1), totals.to(dev, torch.float64), sums.reshape(-1).to(dev, torch.float64)])
+        b = blk[1](flat[nv + nt + len(upd) * F:])
+        return out | b | {"overflow/max": max(out["overflow/max"], b["overflow/max"])}
+    flat = torch.cat([vals.reshape(-1), totals.to(dev, torch.float64), sums.reshape(-1).to(dev, torch.float64),
+                      *([blk[0].to(dev)] if blk else [])])
     return reads.add(flat, build)
 
 def _quant_metrics_dict(meta: list, vals: list, upd: list, sums: list) -> dict:

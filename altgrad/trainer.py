@@ -17,7 +17,7 @@ from .config import (TrainConfig, ConfigError, load_config, parse_overrides, sav
                             autocast_dtype, PRESETS, config_keys_help, RENAMED_KEYS)
 from .data import TokenData, batch_starts, data_for_vocab, vocab_info
 from .model import GPT, GPTConfig
-from .tracking import Tracker, to_python
+from .tracking import Tracker, to_python, find_breaches
 from .notice import notice
 from .runs import DONE, read_json, run_files, run_status, config_reasons
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, atomic_write_text
@@ -229,6 +229,35 @@ def layer_census(model: nn.Module) -> dict:
     return dict(linear_layers=len(linears), quantized_layers=len(names), quantized_layer_names=names)
 
 @patch
+def logs_step(self: Trainer, step: int, skipped: bool = False) -> bool:
+    """Whether `fit` logs `step`'s metrics: every `log_interval`-th step, the last, the evaluation steps and the skipped
+    ones. The block layers' diagnostics (`block_gemm.block_metrics`) are computed on these steps only."""
+    cfg = self.cfg
+    return step % cfg.log_interval == 0 or step >= cfg.max_steps or step % cfg.eval_interval == 0 or skipped
+
+def _block_key(key: str, names: set, overflow_max: bool) -> bool:
+    "Whether metric `key` is a block layer's diagnostic (`<figure>/<layer>/<operand>` of a layer in `names`)."
+    parts = key.split("/")
+    return (len(parts) == 3 and parts[1] in names) or (overflow_max and key == "overflow/max")
+
+@patch
+def check_alerts(self: Trainer, m: dict, step: int) -> list[dict]:
+    """Alert on the breached thresholds of `m` (`tracking.find_breaches`). The 8-bit layers' breaches go to the tracker's
+    `check_thresholds` as always. A block layer's (FP4 elements saturate and underflow at every step by design) fires
+    once when its condition starts: when its kind was not breached on the last step that had block diagnostics."""
+    blk = {n for n, _ in quantized.block_layers(self.model)}
+    if not blk: return self.tracker.check_thresholds(m, step, self.cfg)
+    ovf_max = not quantized.quantized_layers(self.model)              # overflow/max is the block layers' alone
+    part = {k: v for k, v in m.items() if _block_key(k, blk, ovf_max)}
+    out = self.tracker.check_thresholds({k: v for k, v in m.items() if k not in part}, step, self.cfg)
+    if not part: return out                                           # a step without block diagnostics
+    now, before = find_breaches(part, self.cfg), getattr(self, "_block_breached", set())
+    for b in now:
+        b["sent"] = b["kind"] not in before and self.tracker.alert(b["kind"], b["title"], b["text"], b["level"], step)
+    self._block_breached = {b["kind"] for b in now}
+    return out + now
+
+@patch
 def train_step(self: Trainer) -> dict:
     "Run one optimizer step (or skip it when non-finite); returns the step's metrics."
     cfg, model = self.cfg, self.model
@@ -277,7 +306,8 @@ def train_step(self: Trainer) -> dict:
         m.update({"nan/loss": float(bool(src["loss"])), "nan/grads": len(src["grads"]), "nan/streak": self.nan_streak,
                   "nan/source": "loss" if src["loss"] else (src["grads"][-1] if src["grads"] else "unknown")})
     self.optimizer.zero_grad(set_to_none=True)
-    with torch.profiler.record_function("altgrad.quant_metrics"): quantized.queue_quant_metrics(post, model)
+    with torch.profiler.record_function("altgrad.quant_metrics"):     # block diagnostics: on the steps `fit` logs only
+        quantized.queue_quant_metrics(post, model, block=self.logs_step(step, not finite))
     m.update(post.metrics())               # read 2 of 2: the step's statistics after the optimizer step
     m.update({"train/loss": loss_v, "train/lr": lr, "train/tokens": step * self.tokens_per_step,
               "train/skipped": float(not finite)})
@@ -600,7 +630,7 @@ def fit(self: Trainer, until: int | None = None) -> dict:
                 if step % cfg.log_interval == 0 or last or "val/loss" in m or m["train/skipped"]: self.tracker.log(m, step)
                 for ev in self.events:
                     self.tracker.alert("intervention", f"intervention: {ev['kind']}", f"{ev['layer']}: {ev.get('detail', '')}", "WARN", step)
-                self.tracker.check_thresholds(m, step, cfg)
+                self.check_alerts(m, step)
                 if step in hist_steps or step == self.first_nan_step or (last and reason is not None): self._save_histograms(step)
                 saved = reason is None and (self.ckpt.should_save(step) or step == cfg.max_steps)
                 if saved: self.save_checkpoint(val_loss=m.get("val/loss"))

@@ -94,8 +94,7 @@ def _landings():
     return list(LANDINGS)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
-@pytest.mark.parametrize("landing", _landings())
+@pytest.mark.parametrize("fmt,landing", [("nvfp4", landing) for landing in _landings()] + [("mxfp8", "stochastic")])
 def test_block_weights_on_the_grid_train(fmt, landing, small_data, tmp_path):
     "Every landing trains a block recipe with its weights on the block grid: they stay on it, and the step is measured."
     from altgrad.config import load_config
@@ -133,3 +132,42 @@ def test_block_grid_run_resumes_bit_exactly(regime, small_data, tmp_path):
     assert resumed.step == 4
     for (n, p), (_, q) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
         if torch.is_tensor(p): assert torch.equal(p, q), n
+
+
+def test_block_diagnostics_on_logged_steps_only(small_data, tmp_path):
+    """The block diagnostics ride the step's second host read and are computed on the steps `fit` logs only, with the
+    values `block_metrics` gives at that point; the steps in between carry none of them."""
+    from altgrad.config import load_config
+    from altgrad.trainer import Trainer
+    from altgrad.block_gemm import block_metrics
+    from altgrad.runs import load_run
+    kw = dict(fmt="mxfp4", data_dir=str(small_data), wandb_mode="disabled", log_interval=3, eval_interval=5,
+              checkpoint_interval=100, max_steps=7)
+    t = Trainer(load_config("smoke", out_dir=str(tmp_path / "a"), **kw), progress=False)
+    for step in range(1, 8):
+        m, ref = t.train_step(), block_metrics(t.model)
+        assert len(ref) == 7 * 3 * 8 + 1                                  # 7 figures, W/A/G, 8 layers, overflow/max
+        if step in (3, 5, 6, 7): assert t.logs_step(step) and {k: m[k] for k in ref} == ref, step
+        else: assert not t.logs_step(step) and not set(ref) & set(m), step
+    Trainer(load_config("smoke", out_dir=str(tmp_path / "b"), **kw), progress=False).fit()
+    run = load_run(tmp_path / "b")
+    assert [r["step"] for r in run.metrics if "train/loss" in r] == [3, 5, 6, 7]
+    assert all(sum(k.startswith("sqnr_db/") for k in r) == 24 for r in run.metrics if "train/loss" in r)
+
+
+def test_block_alerts_fire_when_a_condition_starts(small_data, tmp_path):
+    "A block layer's breached threshold alerts once when it starts, not at every step it lasts; it fires again after it clears."
+    from altgrad.config import load_config
+    from altgrad.trainer import Trainer
+    t = Trainer(load_config("smoke", fmt="mxfp4", out_dir=str(tmp_path), data_dir=str(small_data), wandb_mode="disabled"),
+                progress=False)
+    sent = []
+    class Rec:
+        def alert(self, kind, title, text, level="WARN", step=None): sent.append((step, kind)); return True
+        def check_thresholds(self, metrics, step, cfg=None): return []
+    t.tracker = Rec()
+    u, o = "underflow/transformer.h.0.mlp.c_fc/g", "overflow/transformer.h.1.attn.c_proj/a"
+    steps = {1: {u: 0.2, o: 0.0}, 2: {u: 0.3, o: 0.05}, 3: {"train/loss": 1.0}, 4: {u: 0.25, o: 0.0}, 5: {u: 0.0, o: 0.0},
+             6: {u: 0.2, o: 0.0}}
+    for step, m in steps.items(): t.check_alerts(m, step)
+    assert sent == [(1, "underflow"), (2, "overflow"), (6, "underflow")], sent
