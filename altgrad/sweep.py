@@ -316,17 +316,13 @@ def run_notebook(fmt: str, out, preset: str = "auto", steps: int | None = None, 
     return dest / "report.md"
 
 # %% ../nbs/31_sweep.ipynb #0348f6bd
-def sweep_formats(names, master_weights: str = "fp32") -> list[str]:
+def sweep_formats(names) -> list[str]:
     "The registered names of a sweep's `names` (element formats or block recipes); ConfigError for a bad one."
     fmts = []
     for n in (str(n).strip() for n in names):
         if not n: continue
         try: fmts.append(canonical_format(n))
         except ValueError as e: raise ConfigError(f"--formats: {e}") from None
-    recipes = [f for f in fmts if is_block_format(f)]
-    if recipes and master_weights != "fp32":
-        raise ConfigError(f"--formats {','.join(recipes)} (block recipes) with --master-weights {master_weights}: a block "
-                          "recipe quantizes each GEMM from FP32 master weights; use --master-weights fp32")
     return fmts
 
 # %% ../nbs/31_sweep.ipynb #387bc5a7
@@ -362,7 +358,7 @@ def sweep_setup(preset: str = "auto", out="outputs", steps: int = 500, seed: int
     "`(out, formats, common, overrides)` of a sweep: its folder made, overrides checked, format names, data prepared, the keywords every run shares."
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     overrides = check_overrides(dict(overrides or {}))
-    formats = sweep_formats(formats or REQUIRED_ORDER, master_weights)
+    formats = sweep_formats(formats or REQUIRED_ORDER)
     data_dir = ensure_data(data_dir or None, out)
     common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode,
                   master_weights=master_weights, stop_on_nan=not interventions)
@@ -491,7 +487,7 @@ def sweep_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="auto"); p.add_argument("--out", default="outputs")
     p.add_argument("--steps", type=int, default=500); p.add_argument("--seed", type=int, default=42)
     p.add_argument("--formats", default=",".join(REQUIRED_ORDER), help="comma-separated element formats (E4M3, ...) "
-                   "or block recipes (mxfp8, nvfp4, ...; FP32 master weights only)"); p.add_argument("--no-retry", action="store_true")
+                   "or block recipes (mxfp8, nvfp4, ...)"); p.add_argument("--no-retry", action="store_true")
     p.add_argument("--interventions", action="store_true", help="interventions on (runs then continue through NaN steps)")
     p.add_argument("--data-dir", default=""); p.add_argument("--wandb-mode", default="auto")
     p.add_argument("--force", action="store_true", help="train again runs already in --out (finished, or of another config)")
@@ -513,7 +509,7 @@ def sweep_cli(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.jobs < 1: raise ConfigError(f"--jobs {a.jobs}: give the number of concurrent runs, 1 or more")
-        fmts = sweep_formats(a.formats.split(","), a.master_weights)
+        fmts = sweep_formats(a.formats.split(","))
         overrides = parse_overrides(a.set)
         for k in NOTEBOOK_OVERRIDE_PARAMS:
             v = getattr(a, k)
