@@ -21,8 +21,8 @@ from .trainer import Trainer
 
 # %% auto #0
 __all__ = ['COLUMNS', 'MEANS', 'Design', 'Spec', 'run_dir', 'trunk_checkpoint', 'spec_config', 'run_record', 'state_digest',
-           'finished_runs', 'endpoint', 'choose_mult', 'tuning_mults', 'cell_losses', 'choices', 'plan', 'todo',
-           'train', 'work', 'collect', 'write_table', 'pilot_summary', 'ensure_data', 'main']
+           'finished_runs', 'endpoint', 'choose_mult', 'tuning_mults', 'cell_losses', 'choices', 'plan', 'settled_plan',
+           'todo', 'train', 'work', 'collect', 'write_table', 'pilot_summary', 'ensure_data', 'main']
 
 # %% ../nbs/38_confirm.ipynb #5d1e21aa
 @dataclass(frozen=True)
@@ -205,14 +205,21 @@ def plan(design: Design, done: dict, phases=("tuning", "heldout")) -> tuple[list
     return specs, chosen
 
 # %% ../nbs/38_confirm.ipynb #d78489d4
+def settled_plan(design: Design, finished, phases) -> tuple[list, dict]:
+    """(`plan`'s specs, their finished losses) at a fixed point: `finished(specs)` gives {name: loss} of the finished
+    ones, and a finished extension can call for the next one, so planning repeats until the plan stops growing."""
+    specs = plan(design, {}, phases)[0]
+    while True:
+        done = finished(specs)
+        nxt = plan(design, done, phases)[0]
+        if [s.name for s in nxt] == [s.name for s in specs]: return specs, done
+        specs = nxt
+
 def todo(design: Design, out, data_dir, phases) -> tuple[list, dict]:
     """(specs to train now, in order; finished losses). A trunk is trained again when a branch still needs its checkpoint
     and the checkpoint is gone (a fresh clone holds the table, not checkpoints); a branch of a trunk stopped at a
     non-finite step is never trained (it is reported)."""
-    specs, _ = plan(design, {}, phases)
-    done = finished_runs(design, out, data_dir, specs)
-    specs, _ = plan(design, done, phases)                        # (the choices may have added extensions)
-    done = finished_runs(design, out, data_dir, specs)
+    specs, done = settled_plan(design, lambda sp: finished_runs(design, out, data_dir, sp), phases)
     pending = [s for s in specs if s.name not in done and s.regime is not None and not _dead_trunk(s, done)]
     need = {s.trunk.name for s in pending if not trunk_checkpoint(out, s, design).exists()}
     return [s for s in specs if (s.regime is None and s.name in need) or s in pending], done
