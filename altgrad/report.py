@@ -41,7 +41,6 @@ def _events(run: Run) -> list[dict]:
         ev += [dict(step=int(a), layer=k[len("intervention/"):]) for a, b in zip(s, v) if b]
     return ev
 
-# %% ../nbs/30_report.ipynb #eaf0955f
 def smooth(v, window: int = SMOOTH_WINDOW) -> np.ndarray:
     "Trailing running mean of the last `window` finite values of `v` (NaN at non-finite entries)."
     v = np.asarray(v, dtype=float); out = np.full(len(v), np.nan); buf = []
@@ -102,7 +101,6 @@ def quantized_cos_series(run: Run) -> tuple[np.ndarray, np.ndarray, str | None]:
     s, v = zip(*pts)
     return np.asarray(s), np.asarray(v), "derived"
 
-# %% ../nbs/30_report.ipynb #1fe9a681
 def plot_cosine(run: Run):
     "Cosine similarity between the run's gradients and the FP32 shadow's: 8-bit layers' weights (headline) and all parameters."
     fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -300,7 +298,6 @@ def progress_lost(l_run: float | None, l_ref: float | None, l_unigram: float | N
     if l_run is None or l_ref is None or l_unigram is None or not l_unigram > l_ref: return None
     return (l_run - l_ref) / (l_unigram - l_ref)
 
-# %% ../nbs/30_report.ipynb #accba356
 def layer_counts(run: Run) -> dict:
     "`quantized` of `linear` layers are 8-bit, and where the counts come from ('summary.json' | 'metric keys')."
     s = run.summary
@@ -628,7 +625,6 @@ def _stall_caption(on_grid: bool) -> str:
                "the FP32 copy and moves the code later): per-step stall reflects the learning rate and the grid spacing, "
                "not a failure; the lost update above is what reaches the weights."))
 
-# %% ../nbs/30_report.ipynb #dc8fe22e
 def _figure_lines(run: Run, ref: Run | None, fig_dir: Path) -> list[str]:
     "The figure sections (loss, gradient agreement, heat maps, code histograms), drawn into `fig_dir`, with their hot spots."
     figs = [("Loss", _save(plot_loss(run, ref, run.fmt or "reference"), fig_dir / "loss.png"),
