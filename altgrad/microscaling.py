@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 import torch
-from .formats import (get_format, quantize, to_bits, compile_kernel, compile_mode, _compile_broken, _kernel_params,
+from .formats import (get_format, quantize, to_bits, compile_kernel, _compile_broken, _kernel_params,
                              _kernel_nearest, _kernel_stochastic, _draw_seed)
 from .notice import notice
 
@@ -201,8 +201,7 @@ def _block_kernel(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
 def _view_kernel(xv: torch.Tensor, rounding: str, compiled: bool | None):
     """The compiled `_block_kernel` only when asked (`compiled=True`), else the eager one: compiled, it is not bit-exact for
     every recipe (mxfp8_e5m2 under FLOOR and EVEN scale rounding differs from eager on `peer_inputs`), so it is opt-in."""
-    want = compiled is True
-    if not want or rounding != "nearest" or _compile_broken or torch.compiler.is_compiling(): return _block_kernel
+    if compiled is not True or rounding != "nearest" or _compile_broken or torch.compiler.is_compiling(): return _block_kernel
     if not _compiled_view: _compiled_view.append(compile_kernel(_block_kernel))
     return _compiled_view[0]
 
