@@ -28,18 +28,21 @@ class UpdateRule:
         if not (isinstance(self.name, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name)):
             raise ValueError(f"update rule name {self.name!r} must be a folder-safe word (letters, digits, _ . -)")
         if self.master_weights not in MASTER_WEIGHTS:
-            raise ValueError(f"update rule {self.name!r}: master_weights={self.master_weights!r} is not one of {', '.join(map(repr, MASTER_WEIGHTS))}")
+            raise ValueError(f"update rule {self.name!r}: master_weights={self.master_weights!r} is not one of "
+                             f"{', '.join(map(repr, MASTER_WEIGHTS))}")
         landing = get_landing(self.landing); get_optimizer(self.optimizer)
         if self.residual_dtype not in RESIDUAL_DTYPES:
-            raise ValueError(f"update rule {self.name!r}: residual_dtype={self.residual_dtype!r} is not one of {', '.join(map(repr, RESIDUAL_DTYPES))}")
+            raise ValueError(f"update rule {self.name!r}: residual_dtype={self.residual_dtype!r} is not one of "
+                             f"{', '.join(map(repr, RESIDUAL_DTYPES))}")
         if (landing.residual or landing.momentum) and self.master_weights != "format":
-            raise ValueError(f"update rule {self.name!r}: weight_update={self.landing!r} needs master_weights='format': error feedback "
-                             "carries what rounding onto the 8-bit grid lost, and with FP32 master weights nothing is lost "
-                             "(the FP32 copy already keeps every update)")
+            raise ValueError(f"update rule {self.name!r}: weight_update={self.landing!r} needs "
+                             "master_weights='format': error feedback carries what rounding onto the 8-bit grid lost, "
+                             "and with FP32 master weights nothing is lost (the FP32 copy already keeps every update)")
         if landing.momentum and get_optimizer(self.optimizer).absorb_error is None:
-            raise ValueError(f"update rule {self.name!r}: weight_update={self.landing!r} folds the landing error into the optimizer's "
-                             f"momentum, and optimizer={self.optimizer!r} cannot take it; use one whose registry entry has absorb_error "
-                             f"(altgrad.optim.OptimizerSpec): {', '.join(n for n, o in OPTIMIZERS.items() if o.absorb_error is not None)}")
+            raise ValueError(f"update rule {self.name!r}: weight_update={self.landing!r} folds the landing error "
+                             f"into the optimizer's momentum, and optimizer={self.optimizer!r} cannot take it; use one "
+                             f"whose registry entry has absorb_error (altgrad.optim.OptimizerSpec): "
+                             f"{', '.join(n for n, o in OPTIMIZERS.items() if o.absorb_error is not None)}")
         if self.lr_scale is not None and not self.lr_scale > 0:
             raise ValueError(f"update rule {self.name!r}: lr_scale={self.lr_scale!r} must be > 0 or None")
 
@@ -50,7 +53,8 @@ class UpdateRule:
 
     @property
     def optimizer_spec(self) -> OptimizerSpec:
-        "Its optimizer's registry entry (`optim.OPTIMIZERS`): what the optimizer can do (baseline, lands_own, absorb_error...)."
+        """Its optimizer's registry entry (`optim.OPTIMIZERS`): what the optimizer can do (baseline, lands_own,
+        absorb_error...)."""
         return get_optimizer(self.optimizer)
 
     def overrides(self) -> dict:
@@ -63,28 +67,35 @@ class UpdateRule:
 UPDATE_RULES: dict[str, UpdateRule] = {}
 
 def settings_of(rule: UpdateRule) -> tuple:
-    "What `rule_of` tells apart: (master_weights, landing, optimizer, lr_scale, residual_dtype), None where it is not read."
+    """What `rule_of` tells apart: (master_weights, landing, optimizer, lr_scale, residual_dtype), None where it is
+    not read."""
     on_grid = rule.master_weights == "format"
     res = rule.residual_dtype if on_grid and LANDINGS[rule.landing].residual else None
     return (rule.master_weights, rule.landing if on_grid else None, rule.optimizer, rule.lr_scale, res)
 
+# %% ../nbs/04c_regimes.ipynb #fa1efeda
 def register_rule(rule: UpdateRule, replace: bool = False) -> UpdateRule:
-    "Add `rule` to `UPDATE_RULES` under its name and return it; a taken name needs `replace=True`, taken settings are refused."
-    if not isinstance(rule, UpdateRule): raise TypeError(f"register_rule needs an UpdateRule, got {type(rule).__name__}")
+    """Add `rule` to `UPDATE_RULES` under its name and return it; a taken name needs `replace=True`, taken settings
+    are refused."""
+    if not isinstance(rule, UpdateRule):
+        raise TypeError(f"register_rule needs an UpdateRule, got {type(rule).__name__}")
     if rule.name in UPDATE_RULES and not replace:
         raise ValueError(f"update rule {rule.name!r} is already registered; pass replace=True to replace it")
-    twin = next((r for r in UPDATE_RULES.values() if r.name != rule.name and settings_of(r) == settings_of(rule)), None)
+    twin = next((r for r in UPDATE_RULES.values() if r.name != rule.name and settings_of(r) == settings_of(rule)),
+                None)
     if twin is not None:
-        raise ValueError(f"update rule {rule.name!r} has the same settings as the registered {twin.name!r} (master_weights, "
-                         f"landing, optimizer, lr_scale, residual_dtype = {settings_of(rule)}): rule_of could not tell "
-                         "them apart")
+        raise ValueError(f"update rule {rule.name!r} has the same settings as the registered {twin.name!r} "
+                         f"(master_weights, landing, optimizer, lr_scale, residual_dtype = {settings_of(rule)}): "
+                         "rule_of could not tell them apart")
     UPDATE_RULES[rule.name] = rule
     return rule
 
+# %% ../nbs/04c_regimes.ipynb #0368173d
 def get_rule(name: str) -> UpdateRule:
     "The registered update rule `name`; unknown names raise ValueError listing the valid ones."
     if isinstance(name, UpdateRule): return name
-    if name not in UPDATE_RULES: raise ValueError(f"unknown update rule {name!r}; valid rules: {', '.join(UPDATE_RULES)}")
+    if name not in UPDATE_RULES:
+        raise ValueError(f"unknown update rule {name!r}; valid rules: {', '.join(UPDATE_RULES)}")
     return UPDATE_RULES[name]
 
 # %% ../nbs/04c_regimes.ipynb #bb815c67
@@ -95,7 +106,8 @@ for _r in (
     UpdateRule("kahan", "Kahan error feedback", "format", "kahan", "adamw"),
     UpdateRule("eco", "ECO (error into the momentum)", "format", "eco", "adamw"),
     UpdateRule("kahan_bf16", "Kahan error feedback (bf16 residual)", "format", "kahan", "adamw", residual_dtype="bf16"),
-    UpdateRule("kahan_format", "Kahan error feedback (8-bit residual)", "format", "kahan", "adamw", residual_dtype="format"),
+    UpdateRule("kahan_format", "Kahan error feedback (8-bit residual)", "format", "kahan", "adamw",
+               residual_dtype="format"),
     UpdateRule("madam", "Madam (stochastic landing)", "format", "stochastic", "madam"),
     UpdateRule("madam_nearest", "Madam (round-to-nearest landing)", "format", "nearest", "madam"),
     UpdateRule("lion", "Lion (stochastic landing)", "format", "stochastic", "lion"),
@@ -121,7 +133,8 @@ def rule_of(cfg) -> str:
     pick = [r for r in hits if r.lr_scale is not None and d.get("lr_scale") == r.lr_scale] or \
            [r for r in hits if r.lr_scale is None]
     if not pick:
-        raise ValueError(f"no registered update rule has master_weights={mw!r}, weight_update={landing!r}, optimizer={opt!r}"
-                         f"{f', residual_dtype={res!r}' if LANDINGS.get(landing) and LANDINGS[landing].residual else ''}; "
-                         f"registered: {', '.join(UPDATE_RULES)} (add one with altgrad.regimes.register_rule)")
+        raise ValueError(
+            f"no registered update rule has master_weights={mw!r}, weight_update={landing!r}, optimizer={opt!r}"
+            f"{f', residual_dtype={res!r}' if LANDINGS.get(landing) and LANDINGS[landing].residual else ''}; "
+            f"registered: {', '.join(UPDATE_RULES)} (add one with altgrad.regimes.register_rule)")
     return pick[0].name
