@@ -29,6 +29,7 @@ def _check_number(key: str, v, lo: float = 0.0, lo_open: bool = False, hi: float
         iv = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}{')' if hi_open or hi is None else ']'}"
         raise ValueError(f"{key}={v!r} must be a number in {iv}")
 
+# %% ../nbs/04b_optim.ipynb #0ccf221b
 def _check_betas(betas):
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
@@ -84,6 +85,7 @@ def sr_seed(seed: int, step: int, index: int) -> tuple[int, int]:
     x = _splitmix64(_splitmix64(_splitmix64(seed & _M64) ^ (step & _M64)) ^ (index & _M64))
     return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in (x & 0xFFFFFFFF, x >> 32))
 
+# %% ../nbs/04b_optim.ipynb #e792927c
 def round_exponent(d: torch.Tensor, rounding: str = "nearest", seed: tuple[int, int] | None = None) -> torch.Tensor:
     "Round exponent changes `d` to integers: half to even, or stochastically (up with probability d - floor(d))."
     if rounding == "nearest": return torch.round(d)
@@ -92,6 +94,7 @@ def round_exponent(d: torch.Tensor, rounding: str = "nearest", seed: tuple[int, 
     u = _noise23(d, seed).to(d.dtype) * 2.0 ** -23                   # uniform on [0, 1) in steps of 2^-23
     return torch.floor(d + u)
 
+# %% ../nbs/04b_optim.ipynb #fd5d8dc1
 def max_whole_shift(a: torch.Tensor, bound: float) -> torch.Tensor:
     "Largest integer k with a·2^k <= bound, elementwise for a > 0 (float; +inf where a == 0)."
     k = torch.floor(torch.log2(bound / a))
@@ -100,12 +103,13 @@ def max_whole_shift(a: torch.Tensor, bound: float) -> torch.Tensor:
 
 # %% ../nbs/04b_optim.ipynb #7db7ea61
 class Madam(torch.optim.Optimizer):
-    """Madam (Bernstein et al. 2020): w ← clamp(w·2^(-lr·(ĝ·sign(w) + wd)), ±p_scale·RMS(w_init)), ĝ = g/sqrt(v̂) clipped.
+    """Madam (Bernstein et al. 2020): w ← clamp(w·2^(-lr·(ĝ·sign(w) + wd)), ±p_scale·RMS(w_init)),
+    ĝ = g/sqrt(v̂) clipped.
 
     `integer_exponent=True` (per group) rounds the exponent change to an integer (`exp_rounding` 'nearest' or
-    'stochastic', keyed by `seed`, step and parameter index; rate `exp_lr_scale·lr`), so power-of-two grids stay exact.
-    For those parameters `intended[p]` holds, after each step, the update continuous Madam would have made (the exponent
-    change before rounding): what the grid's mechanism metrics measure the realised update against."""
+    'stochastic', keyed by `seed`, step and parameter index; rate `exp_lr_scale·lr`), so power-of-two grids stay
+    exact. For those parameters `intended[p]` holds, after each step, the update continuous Madam would have made
+    (the exponent change before rounding): what the grid's mechanism metrics measure the realised update against."""
     def __init__(self, params, lr: float = 0.01, beta: float = 0.999, weight_decay: float = 0.0, p_scale: float = 3.0,
                  g_bound: float = 10.0, integer_exponent: bool = False, exp_rounding: str = "nearest",
                  exp_lr_scale: float = 1.0, seed: int = 0):
@@ -120,9 +124,12 @@ class Madam(torch.optim.Optimizer):
         _check_number("lr", g["lr"]); _check_number("beta", g["beta"], 0.0, False, 1.0, True)
         _check_number("weight_decay", g["weight_decay"]); _check_number("p_scale", g["p_scale"], lo_open=True)
         _check_number("g_bound", g["g_bound"], lo_open=True); _check_number("exp_lr_scale", g["exp_lr_scale"])
-        if not isinstance(g["integer_exponent"], bool): raise ValueError(f"integer_exponent={g['integer_exponent']!r} must be a bool")
-        if g["exp_rounding"] not in EXP_ROUNDINGS: raise ValueError(f"exp_rounding={g['exp_rounding']!r} is not one of {EXP_ROUNDINGS}")
-        if not isinstance(g["seed"], int) or isinstance(g["seed"], bool): raise ValueError(f"seed={g['seed']!r} must be an int")
+        if not isinstance(g["integer_exponent"], bool):
+            raise ValueError(f"integer_exponent={g['integer_exponent']!r} must be a bool")
+        if g["exp_rounding"] not in EXP_ROUNDINGS:
+            raise ValueError(f"exp_rounding={g['exp_rounding']!r} is not one of {EXP_ROUNDINGS}")
+        if not isinstance(g["seed"], int) or isinstance(g["seed"], bool):
+            raise ValueError(f"seed={g['seed']!r} must be an int")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -142,7 +149,8 @@ class Madam(torch.optim.Optimizer):
                 if not st:
                     st["step"] = 0
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["max"] = group["p_scale"] * p.detach().float().square().mean().sqrt().item() if p.numel() else 0.0
+                    st["max"] = (group["p_scale"] * p.detach().float().square().mean().sqrt().item()
+                                 if p.numel() else 0.0)
                 st["step"] += 1
                 v, t, mx = st["exp_avg_sq"], st["step"], st["max"]
                 v.mul_(beta).addcmul_(g, g, value=1 - beta)
@@ -170,9 +178,11 @@ def decoupled_shrink(lr: float, wd: float) -> float:
     return lr * wd
 
 def multiplicative_shrink(lr: float, wd: float) -> float:
-    "Madam's decay in log space: one step multiplies |w| by 2^-(lr·λ), i.e. shrinks w to (1 - c) w with c = 1 - 2^-(lr·λ)."
+    """Madam's decay in log space: one step multiplies |w| by 2^-(lr·λ), i.e. shrinks w to (1 - c) w with
+    c = 1 - 2^-(lr·λ)."""
     return 1.0 - 2.0 ** (-lr * wd)
 
+# %% ../nbs/04b_optim.ipynb #749496bd
 @dataclass(frozen=True)
 class OptimizerSpec:
     "A base optimizer in `OPTIMIZERS`: `make(params, lr, weight_decay, betas, device_type, grid, **kwargs)` builds it."
@@ -181,26 +191,36 @@ class OptimizerSpec:
     lr_scale: float = 1.0         # recommended lr relative to the preset's AdamW lr (`default_lr_scale`)
     wd_divisor: float = 1.0       # its λ = AdamW's λ / wd_divisor: the same per-step shrink at lr_scale·lr
     takes_seed: bool = False      # the trainer passes `seed=cfg.seed` (the optimizer's own random streams)
-    grid_params: Callable | None = None   # (quantized layers, cfg) -> `build_optimizer`'s grid_params, weights on the grid
-    decay_shrink: Callable[[float, float], float] = decoupled_shrink   # (group lr, group λ) -> c: one step's decay gives (1 - c) w
-    intended: Callable | None = None      # (optimizer) -> {weight: the update it meant before landing on the grid itself}
-    absorb_error: Callable | None = None  # (optimizer, weight, landing error) -> None: folds the error into its state (ECO)
-    baseline: bool = False        # the reference base optimizer: regimes of other optimizers are compared with its regime at the same landing
-    lands_own: str | None = None  # puts some weights on the grid itself (see `intended`): in words, for write-ups (None: never)
+    # (quantized layers, cfg) -> `build_optimizer`'s grid_params, weights on the grid
+    grid_params: Callable | None = None
+    # (group lr, group λ) -> c: one step's decay gives (1 - c) w
+    decay_shrink: Callable[[float, float], float] = decoupled_shrink
+    # (optimizer) -> {weight: the update it meant before landing on the grid itself}
+    intended: Callable | None = None
+    # (optimizer, weight, landing error) -> None: folds the error into its state (ECO)
+    absorb_error: Callable | None = None
+    # the reference base optimizer: regimes of other optimizers are compared with its regime at the same landing
+    baseline: bool = False
+    # puts some weights on the grid itself (see `intended`): in words, for write-ups (None: never)
+    lands_own: str | None = None
 
+# %% ../nbs/04b_optim.ipynb #870f52a5
 OPTIMIZERS: dict[str, OptimizerSpec] = {}
 
 def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
     "Add `spec` to `OPTIMIZERS` under its name (the value of the config key `optimizer` that selects it)."
-    if not isinstance(spec, OptimizerSpec): raise TypeError(f"register_optimizer needs an OptimizerSpec, got {type(spec).__name__}")
+    if not isinstance(spec, OptimizerSpec):
+        raise TypeError(f"register_optimizer needs an OptimizerSpec, got {type(spec).__name__}")
     OPTIMIZERS[spec.name] = spec
     return spec
 
 def get_optimizer(name: str) -> OptimizerSpec:
     "The registered base optimizer `name`; unknown names raise ValueError listing the valid ones."
-    if name not in OPTIMIZERS: raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
     return OPTIMIZERS[name]
 
+# %% ../nbs/04b_optim.ipynb #1d90e78d
 def default_lr_scale(name: str) -> float:
     "Recommended learning rate of optimizer `name` relative to the preset's AdamW learning rate."
     return get_optimizer(name).lr_scale
@@ -210,6 +230,7 @@ def optimizer_weight_decay(name: str, weight_decay: float) -> float:
     d = get_optimizer(name).wd_divisor
     return weight_decay if d == 1.0 else weight_decay / d
 
+# %% ../nbs/04b_optim.ipynb #26a76bc7
 def decay_groups(params: list, weight_decay: float) -> list[dict]:
     "nanoGPT's two groups: `weight_decay` on the >=2-D parameters, none on the 1-D ones (biases, LayerNorm)."
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
@@ -219,10 +240,13 @@ def decay_groups(params: list, weight_decay: float) -> list[dict]:
 def _check_grid_params(grid_params, params) -> dict:
     "Validate `grid_params` ({param: options}) against the trainable `params`."
     if not grid_params: return {}
-    if not isinstance(grid_params, dict): raise ValueError(f"grid_params must be a dict {{param: options}}, got {type(grid_params).__name__}")
+    if not isinstance(grid_params, dict):
+        raise ValueError(f"grid_params must be a dict {{param: options}}, got {type(grid_params).__name__}")
     ids = {id(p) for p in params}
     for p, opts in grid_params.items():
-        if id(p) not in ids: raise ValueError(f"grid_params has a tensor of shape {tuple(getattr(p, 'shape', ()))} that is not a trainable parameter of the model")
+        if id(p) not in ids:
+            raise ValueError(f"grid_params has a tensor of shape {tuple(getattr(p, 'shape', ()))} that is not a "
+                             "trainable parameter of the model")
         if not isinstance(opts, dict): raise ValueError(f"grid_params options must be a dict, got {opts!r}")
         bad = set(opts) - set(GRID_KEYS)
         if bad: raise ValueError(f"unknown grid_params option(s) {sorted(bad)}; valid options: {', '.join(GRID_KEYS)}")
@@ -230,12 +254,15 @@ def _check_grid_params(grid_params, params) -> dict:
             raise ValueError(f"grid_params exp_rounding={opts['exp_rounding']!r} is not one of {EXP_ROUNDINGS}")
     return {id(p): opts for p, opts in grid_params.items()}
 
+# %% ../nbs/04b_optim.ipynb #8ccc4a87
 def _adamw(params, lr, weight_decay, betas, device_type, grid, **kwargs):
-    return torch.optim.AdamW(decay_groups(params, weight_decay), lr=lr, betas=betas, fused=device_type == "cuda", **kwargs)
+    return torch.optim.AdamW(decay_groups(params, weight_decay), lr=lr, betas=betas, fused=device_type == "cuda",
+                             **kwargs)
 
 def _lion(params, lr, weight_decay, betas, device_type, grid, **kwargs):
     return Lion(decay_groups(params, weight_decay), lr=lr, betas=betas, **kwargs)
 
+# %% ../nbs/04b_optim.ipynb #e14cb3ce
 def _madam(params, lr, weight_decay, betas, device_type, grid, **kwargs):
     "Madam; `grid` parameters with `integer_exponent` get groups of their own (one per distinct option set)."
     special = {i: o for i, o in grid.items() if o.get("integer_exponent", False)}
@@ -249,18 +276,23 @@ def _madam(params, lr, weight_decay, betas, device_type, grid, **kwargs):
     base = decay_groups([p for p in params if id(p) not in special], weight_decay)
     return Madam(base + list(extra.values()), lr=lr, **kwargs)
 
+# %% ../nbs/04b_optim.ipynb #548eedfa
 def madam_grid_params(layers, cfg) -> dict | None:
-    """Madam on exponent-only grids (E7M0) with the weights on the grid: the integer-exponent (LNS-Madam) form, whole codes,
-    rounding the exponent stochastically under a stochastic landing (`grid.Landing.stochastic`), else to nearest."""
-    out = {m.weight: dict(integer_exponent=True, exp_rounding="stochastic" if get_landing(cfg.weight_update).stochastic else "nearest",
+    """Madam on exponent-only grids (E7M0) with the weights on the grid: the integer-exponent (LNS-Madam) form,
+    whole codes, rounding the exponent stochastically under a stochastic landing (`grid.Landing.stochastic`), else to
+    nearest."""
+    out = {m.weight: dict(integer_exponent=True,
+                          exp_rounding="stochastic" if get_landing(cfg.weight_update).stochastic else "nearest",
                           seed=cfg.seed + 1000 * i)
            for i, (_, m) in enumerate(layers) if m.fmt.man_bits == 0}
     return out or None
 
+# %% ../nbs/04b_optim.ipynb #27dbde20
 def adamw_absorb_error(optimizer, p: torch.Tensor, e: torch.Tensor):
-    """ECO (arXiv 2601.22101, Alg. 3) for AdamW: fold the landing error `e = (w + u) - land(w + u)` of parameter `p` into
-    the first moment, `m += (1 - β1^t)/η · (1 - 1/β1) · (sqrt(v̂) + ε) · e`, so that the coming steps re-apply `e` in
-    total; v is untouched, the decay term is not special-cased (as the paper's algorithm). η = 0 injects nothing."""
+    """ECO (arXiv 2601.22101, Alg. 3) for AdamW: fold the landing error `e = (w + u) - land(w + u)` of parameter `p`
+    into the first moment, `m += (1 - β1^t)/η · (1 - 1/β1) · (sqrt(v̂) + ε) · e`, so that the coming steps re-apply
+    `e` in total; v is untouched, the decay term is not special-cased (as the paper's algorithm). η = 0 injects
+    nothing."""
     g = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
     st, lr = optimizer.state[p], g["lr"]
     if lr <= 0 or "exp_avg" not in st: return
@@ -268,19 +300,23 @@ def adamw_absorb_error(optimizer, p: torch.Tensor, e: torch.Tensor):
     vhat = st["exp_avg_sq"] / (1 - b2 ** t)
     st["exp_avg"].add_(((1 - b1 ** t) / lr * (1 - 1 / b1)) * (vhat.sqrt() + g["eps"]) * e.to(st["exp_avg"].dtype))
 
+# %% ../nbs/04b_optim.ipynb #c251580d
 register_optimizer(OptimizerSpec("adamw", _adamw, absorb_error=adamw_absorb_error, baseline=True))
 
 register_optimizer(OptimizerSpec("madam", _madam, lr_scale=10.0, wd_divisor=10.0 * math.log(2), takes_seed=True,
-                                 grid_params=madam_grid_params, decay_shrink=multiplicative_shrink, intended=lambda opt: opt.intended,
+                                 grid_params=madam_grid_params, decay_shrink=multiplicative_shrink,
+                                 intended=lambda opt: opt.intended,
                                  lands_own="E7M0's integer-exponent Madam"))
 register_optimizer(OptimizerSpec("lion", _lion, lr_scale=0.3, wd_divisor=0.3))
 
+# %% ../nbs/04b_optim.ipynb #b4650a13
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),
                     device_type: str = "cpu", grid_params: dict | None = None, **kwargs) -> torch.optim.Optimizer:
     """The optimizer `name` (a key of `OPTIMIZERS`) over `model`'s trainable parameters: decay on >=2-D, none on 1-D.
 
-    'adamw' is `GPT.configure_optimizers` exactly. `weight_decay` is AdamW's λ (converted by `optimizer_weight_decay`).
-    `grid_params` {param: {'integer_exponent', 'exp_rounding', 'exp_lr_scale', 'seed'}} gives Madam groups of their own."""
+    'adamw' is `GPT.configure_optimizers` exactly. `weight_decay` is AdamW's λ (converted by
+    `optimizer_weight_decay`). `grid_params` {param: {'integer_exponent', 'exp_rounding', 'exp_lr_scale', 'seed'}}
+    gives Madam groups of their own."""
     spec = get_optimizer(name)
     params = [p for p in model.parameters() if p.requires_grad]
     grid = _check_grid_params(grid_params, params)
