@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Callable
 import numpy as np
 import torch
-from .formats import FP8Format, compile_kernel, get_format, quantize, _kernel_nearest, _tensor_params, _want_compiled
+from .formats import (FP8Format, compile_kernel, get_format, quantize, _kernel_nearest, _tensor_params,
+                             _want_compiled)
 from .scaling import SCALE_MIN, SCALE_MAX, compute_scale
 from .notice import notice
 
@@ -29,6 +30,7 @@ def grid_magnitude(w: torch.Tensor, fmt, scale=1.0) -> torch.Tensor:
     s = _scale_t(scale, w)
     return quantize(w.detach().float() * s, get_format(fmt)).abs()
 
+# %% ../nbs/04_grid.ipynb #bdfd00d0
 def _finer_below(a: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     "Is the grid magnitude `a` a power of two above the lowest binade (where the grid just below is twice as fine)?"
     bits = a.view(torch.int32)                                  # a >= 0: exponent > emin also means a > 0
@@ -42,19 +44,20 @@ def grid_steps(w: torch.Tensor, fmt, scale=1.0) -> tuple[torch.Tensor, torch.Ten
     down = torch.where(_finer_below(a, fmt), up * 0.5, up)     # below a power of two the binade is finer
     return down / s, up / s
 
+# %% ../nbs/04_grid.ipynb #067c0aec
 def grid_ulp(w: torch.Tensor, u: torch.Tensor, fmt, scale=1.0) -> torch.Tensor:
     "Grid step (real units) at `w` in the direction of `u`: up when `u` grows |w| (or w == 0), down otherwise."
     fmt = get_format(fmt); s = _scale_t(scale, w)
     a = grid_magnitude(w, fmt, s)
     up = fmt.ulp(a)
-    down = _finer_below(a, fmt) & (torch.sign(u) != torch.sign(w)) & (w != 0)   # `grid_steps`' down, where u shrinks |w|
+    down = _finer_below(a, fmt) & (torch.sign(u) != torch.sign(w)) & (w != 0)   # `grid_steps`' down: u shrinks |w|
     return torch.where(down, up * 0.5, up) / s
-
 
 # %% ../nbs/04_grid.ipynb #f27bed9f
 MASTER_WEIGHTS = ("fp32", "format")        # where the weights live: FP32 master copy, or on the 8-bit grid
 RESIDUAL_DTYPES = ("fp32", "bf16", "format")
-RESIDUAL_BYTES = {"fp32": 4, "bf16": 2, "format": 1}   # memory per parameter of the kahan residual (+ one scale per tensor)
+# memory per parameter of the kahan residual (+ one scale per tensor)
+RESIDUAL_BYTES = {"fp32": 4, "bf16": 2, "format": 1}
 
 @dataclass(frozen=True)
 class Landing:
@@ -63,21 +66,26 @@ class Landing:
     apply: Callable
     stochastic: bool = False      # draws random bits (needs a generator)
     residual: bool = False        # carries what rounding lost to the next step (needs master_weights='format')
-    momentum: bool = False        # hands what rounding lost to the optimizer's momentum instead (ECO; `OptimizerSpec.absorb_error`)
+    # hands what rounding lost to the optimizer's momentum instead (ECO; `OptimizerSpec.absorb_error`)
+    momentum: bool = False
 
+# %% ../nbs/04_grid.ipynb #995d8f5b
 LANDINGS: dict[str, Landing] = {}
 
 def register_landing(landing: Landing) -> Landing:
     "Add `landing` to `LANDINGS` under its name (the value of `weight_update` that selects it)."
-    if not isinstance(landing, Landing): raise TypeError(f"register_landing needs a Landing, got {type(landing).__name__}")
+    if not isinstance(landing, Landing):
+        raise TypeError(f"register_landing needs a Landing, got {type(landing).__name__}")
     LANDINGS[landing.name] = landing
     return landing
 
 def get_landing(name: str) -> Landing:
     "The registered landing `name`; unknown names raise ValueError listing the valid ones."
-    if name not in LANDINGS: raise ValueError(f"weight_update={name!r} is not one of {', '.join(map(repr, LANDINGS))}")
+    if name not in LANDINGS:
+        raise ValueError(f"weight_update={name!r} is not one of {', '.join(map(repr, LANDINGS))}")
     return LANDINGS[name]
 
+# %% ../nbs/04_grid.ipynb #d9966767
 def _nearest(w, u, fmt, scale, residual, generator): return quantize(w + u, fmt, scale), None
 def _stochastic(w, u, fmt, scale, residual, generator):
     return quantize(w + u, fmt, scale, rounding="stochastic", generator=generator), None
@@ -89,18 +97,24 @@ def _kahan(w, u, fmt, scale, residual, generator):
 register_landing(Landing("nearest", _nearest))
 register_landing(Landing("stochastic", _stochastic, stochastic=True))
 register_landing(Landing("kahan", _kahan, residual=True))
-register_landing(Landing("eco", _stochastic, stochastic=True, momentum=True))   # ECO: stochastic landing, error into the momentum
+# ECO: stochastic landing, error into the momentum
+register_landing(Landing("eco", _stochastic, stochastic=True, momentum=True))
 
-def land(w: torch.Tensor, u: torch.Tensor, fmt, scale=1.0, landing: str = "nearest", residual: torch.Tensor | None = None,
+# %% ../nbs/04_grid.ipynb #d336e838
+def land(w: torch.Tensor, u: torch.Tensor, fmt, scale=1.0, landing: str = "nearest",
+         residual: torch.Tensor | None = None,
          generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     "`w + u` on `fmt`'s grid with `scale` by the landing `landing` (a `LANDINGS` name): `(w_new, residual_new)`."
-    return get_landing(landing).apply(w.detach().float(), u.detach().float(), get_format(fmt), scale, residual, generator)
+    return get_landing(landing).apply(w.detach().float(), u.detach().float(), get_format(fmt), scale, residual,
+                                      generator)
 
+# %% ../nbs/04_grid.ipynb #b4a1d8e5
 def store_residual(c: torch.Tensor, dtype: str, fmt) -> torch.Tensor:
     "The residual as it is stored between steps: float32, bfloat16, or `fmt` with its own per-tensor scale."
     if dtype == "fp32": return c
     if dtype == "bf16": return c.to(torch.bfloat16)
-    if dtype != "format": raise ValueError(f"residual_dtype={dtype!r} is not one of {', '.join(map(repr, RESIDUAL_DTYPES))}")
+    if dtype != "format":
+        raise ValueError(f"residual_dtype={dtype!r} is not one of {', '.join(map(repr, RESIDUAL_DTYPES))}")
     fmt = get_format(fmt)
     s, _ = compute_scale(c.detach().abs().amax(), fmt)
     return quantize(c, fmt, s)
@@ -112,8 +126,10 @@ def _regrid_bounds(fmt: FP8Format, margin: int, stochastic: bool) -> tuple[float
     T = fmt.max_value / 2.0 ** margin
     return T, (T if stochastic else T + float(fmt.ulp(torch.tensor(T))) / 2)
 
-def regrid_scale(amax: torch.Tensor, scale: torch.Tensor, fmt, margin: int = 0, landing: str = "nearest") -> torch.Tensor:
-    "Scale for weights of `amax` now on `scale`: kept while T/4 < amax*scale <= T + ulp(T)/2, else moved by 2^k into (T/2, T]."
+def regrid_scale(amax: torch.Tensor, scale: torch.Tensor, fmt, margin: int = 0,
+                 landing: str = "nearest") -> torch.Tensor:
+    """Scale for weights of `amax` now on `scale`: kept while T/4 < amax*scale <= T + ulp(T)/2, else moved by 2^k
+    into (T/2, T]."""
     fmt = get_format(fmt)
     a = torch.as_tensor(amax).detach().float()
     s = torch.as_tensor(scale, device=a.device).detach().float()
@@ -135,6 +151,7 @@ def lower_median(x: torch.Tensor) -> torch.Tensor:
     part = np.partition(v, k)                                   # part[k] is the k-th smallest; NaNs sort last
     return torch.tensor(math.nan if np.isnan(part[k:]).any() else part[k], dtype=x.dtype)
 
+# %% ../nbs/04_grid.ipynb #87c1d878
 def masked_lower_median(x: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     """`lower_median(x[mask])` without a host read (no data-dependent shape): the ((k-1)//2)-th smallest selected
     value of a sort that puts the others last (+inf; NaNs sort after it), NaN if a selected value is NaN, `empty` if
@@ -146,20 +163,24 @@ def masked_lower_median(x: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor
     mid = torch.where((x.isnan() & mask).any(), torch.full_like(mid, math.nan), mid)
     return torch.where(k > 0, mid.to(empty.dtype), empty)
 
+# %% ../nbs/04_grid.ipynb #3afe743f
 STAT_FIELDS = ("moved", "stalled", "pred_stalled", "dw_dot_u", "u_dot_u", "r_median", "flip_back", "flip_base",
                "zero_sub", "numel", "resid_ulp_sq")
 
 def _ulp_toward(a, w, d, s, lo, m, mx):
     "`grid_ulp` from the grid magnitude `a` of `w` (scaled units): the step toward `d`, in real units (kernel form)."
-    e = ((torch.where(a > mx, mx, a).view(torch.int32) >> 23) - 127).clamp(min=lo - 127)   # (a NaN keeps its bits, as in `ulp`)
+    # (a NaN keeps its bits, as in `ulp`)
+    e = ((torch.where(a > mx, mx, a).view(torch.int32) >> 23) - 127).clamp(min=lo - 127)
     up = ((e - m + 127) << 23).view(torch.float32)                        # `FP8Format.ulp`
     bits = a.view(torch.int32)
     finer = ((bits & 0x7FFFFF) == 0) & (bits > ((lo << 23) | 0x7FFFFF))   # `_finer_below`
     down = finer & (torch.sign(d) != torch.sign(w)) & (w != 0)
     return torch.where(down, up * 0.5, up) / s
 
+# %% ../nbs/04_grid.ipynb #b572f9ac
 def _stats_kernel(wb, u, wa, s, prev, res, view_stall: bool, one, small, **p):
-    "`update_stats`' elementwise work and sums in one pass (compiled): `(r, sums)`; the median of r is left to the caller."
+    """`update_stats`' elementwise work and sums in one pass (compiled): `(r, sums)`; the median of r is left to the
+    caller."""
     lo, m, mx = p["lo"], p["m"], p["mx"]                                  # p: `formats._kernel_params`
     r = u.abs() / _ulp_toward(_kernel_nearest(wb * s, one, **p).abs(), wb, u, s, lo, m, mx)
     moved, dw = u != 0, wa - wb
@@ -175,6 +196,7 @@ def _stats_kernel(wb, u, wa, s, prev, res, view_stall: bool, one, small, **p):
                            (dw * u).sum(dtype=torch.float64), (u * u).sum(dtype=torch.float64), z, flip, nbase,
                            (aa < small).sum().double(), z + u.numel(), rs])
 
+# %% ../nbs/04_grid.ipynb #dfb27b21
 _stats_compiled: list = []     # [compiled kernel] once built; [None] if compiling failed
 
 def update_stats(w_before: torch.Tensor, u: torch.Tensor, w_after: torch.Tensor, fmt, scale=1.0,
@@ -208,13 +230,16 @@ def update_stats(w_before: torch.Tensor, u: torch.Tensor, w_after: torch.Tensor,
     else: v[5] = masked_lower_median(r, u != 0, v[5])           # a GPU: no host read (a masked select would be one)
     return v
 
+# %% ../nbs/04_grid.ipynb #cc4713bf
 def stats_dict(v) -> dict[str, float]:
-    "Rates from `update_stats` sums (or a sum of several): stall, pred_stall, rho, lost_update, flip_back, zero_frac..."
+    """Rates from `update_stats` sums (or a sum of several): stall, pred_stall, rho, lost_update, flip_back,
+    zero_frac..."""
     d = dict(zip(STAT_FIELDS, (v.tolist() if torch.is_tensor(v) else list(v))))
     n, uu = d["moved"], d["u_dot_u"]
     rho = d["dw_dot_u"] / uu if uu > 0 else 1.0
     return dict(stall=d["stalled"] / n if n else 0.0, pred_stall=d["pred_stalled"] / n if n else 0.0, rho=rho,
-                lost_update=1.0 - rho, update_ratio=d["r_median"], flip_back=d["flip_back"] / d["flip_base"] if d["flip_base"] else 0.0,
+                lost_update=1.0 - rho, update_ratio=d["r_median"],
+                flip_back=d["flip_back"] / d["flip_base"] if d["flip_base"] else 0.0,
                 zero_frac=d["zero_sub"] / d["numel"] if d["numel"] else 0.0,
                 residual_ulp=math.sqrt(d["resid_ulp_sq"] / d["numel"]) if d["numel"] else 0.0)
 
