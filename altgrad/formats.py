@@ -139,6 +139,7 @@ def register_format(fmt: FloatFormat, sweep: bool = True) -> FloatFormat:
     if sweep: FORMAT_REGISTRY[fmt.name.upper()] = fmt
     return fmt
 
+# %% ../nbs/01_formats.ipynb #daac0978
 E5M2 = register_format(FloatFormat("E5M2", 5, 2, 15, "ieee", "inf"))
 E4M3 = register_format(FloatFormat("E4M3", 4, 3, 7, "fn", "saturate"))
 E3M4 = register_format(FloatFormat("E3M4", 3, 4, 1))
@@ -149,6 +150,7 @@ E2M5 = register_format(FloatFormat("E2M5", 2, 5, 1))    # completes ExMy: bias 2
 E6M1 = register_format(FloatFormat("E6M1", 6, 1, 31))   # bias 2^(E-1)-1 = 31, range 2^-31 .. 1.5·2^32
 E4M3_NAN = FloatFormat("E4M3_NAN", 4, 3, 7, "fn", "nan")  # ml_dtypes' convention; not in the sweep registry
 
+# %% ../nbs/01_formats.ipynb #396ee14c
 def get_format(fmt) -> FloatFormat:
     "Look up a format by (case-insensitive) name in `ALL_FORMATS`; `FloatFormat` values pass through."
     if isinstance(fmt, FloatFormat): return fmt
@@ -178,8 +180,10 @@ def grid_equivalent(a, b) -> int | None:
     m, e = math.frexp(r[0].item())
     return e - 1 if m == 0.5 else None
 
+# %% ../nbs/01_formats.ipynb #d0e243e0
 def equivalent_formats(formats=None) -> list[list[str]]:
-    "Groups (of two or more names, in the given or registry order) of grid-equivalent formats among `formats` (default: the registry)."
+    """Groups (of two or more names, in the given or registry order) of grid-equivalent formats among `formats`
+    (default: the registry)."""
     fmts = [get_format(f) for f in (formats if formats is not None else FORMAT_REGISTRY.values())]
     groups: list[list] = []
     for f in fmts:
@@ -211,6 +215,7 @@ def _hash32(x):
     x = x ^ _srl(x, 15); x = x * 0x735A2D97
     return x ^ _srl(x, 15)
 
+# %% ../nbs/01_formats.ipynb #316dd536
 def _noise23(y: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     "Uniform integers in [0, 2^23) shaped like `y`, from the counter and a 2-word int32 `seed`."
     i = torch.arange(y.numel(), dtype=torch.int32, device=y.device).view(y.shape)
@@ -220,6 +225,7 @@ def _draw_seed(generator: torch.Generator | None, device) -> torch.Tensor:
     "Two int32 words from `generator` (or the global RNG), on `device`."
     return torch.randint(-2**31, 2**31, (2,), generator=generator, dtype=torch.int32).to(device)
 
+# %% ../nbs/01_formats.ipynb #2880fe5c
 def _as_scale(scale, device) -> torch.Tensor:
     "The scale as a float32 tensor (a Python number becomes a 0-d tensor, so every path multiplies in float32)."
     if torch.is_tensor(scale): return scale.detach().to(device=device, dtype=torch.float32)
@@ -228,7 +234,8 @@ def _as_scale(scale, device) -> torch.Tensor:
 def _check_args(x, rounding):
     if not torch.is_tensor(x) or not x.is_floating_point():
         raise TypeError(f"quantize needs a floating tensor, got {type(x).__name__} {getattr(x, 'dtype', '')}")
-    if rounding not in ("nearest", "stochastic"): raise ValueError(f"rounding={rounding!r} is not 'nearest' or 'stochastic'")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding={rounding!r} is not 'nearest' or 'stochastic'")
 
 # %% ../nbs/01_formats.ipynb #9c00eb3f
 def _tiny(fmt: FloatFormat) -> float:
@@ -241,7 +248,9 @@ def _gaps(r, y, tiny, pos):
     r = torch.where(pos, a, torch.copysign(a, r)) if torch.is_tensor(pos) else a if pos else torch.copysign(a, r)
     return torch.where(((y == 0) & (tiny > 0)) | ((y < 0) & pos), math.nan, r)
 
-def quantize_integer(x: torch.Tensor, fmt, scale=1.0, rounding: str = "nearest", generator: torch.Generator | None = None) -> torch.Tensor:
+# %% ../nbs/01_formats.ipynb #a93eca42
+def quantize_integer(x: torch.Tensor, fmt, scale=1.0, rounding: str = "nearest",
+                     generator: torch.Generator | None = None) -> torch.Tensor:
     "Reference `quantize` built on exact integer rounding (slow; same results as `quantize` bit for bit)."
     fmt = get_format(fmt); _check_args(x, rounding)
     s = _as_scale(scale, x.device)
@@ -272,6 +281,7 @@ def _kernel_params(fmt: FloatFormat) -> dict:
                 wide=not (fits and fmt.emin - m >= -104 and hi < 231 + m),         # FP16, BF16, UE8M0
                 gaps=not (fmt.signed and fmt.subnormals))                          # UE8M0, UE4M3
 
+# %% ../nbs/01_formats.ipynb #76a5742b
 def _round_bits(yb, m):
     "Float32 bit patterns `yb` rounded to `m` mantissa bits, ties to even (M = 0: up, as the `C` trick rounds them)."
     lsb = ((yb >> (23 - m)) & 1) | (m == 0)
@@ -286,6 +296,7 @@ def _sr_narrow(a, noise, lo, hi, m, mx):
     n = (a * ((277 + m - be) << 23).view(torch.float32)).to(torch.int32)  # a/q in 8.23 fixed point, exact
     return ((n + noise) >> 23).to(torch.float32) * q
 
+# %% ../nbs/01_formats.ipynb #620bd238
 def _sr_wide(a, noise, lo, m, iq1, iq2):
     "The same for every format: on the bit pattern in normal binades, from the exact a/Q in the lowest ones."
     ab = a.view(torch.int32)
@@ -312,6 +323,7 @@ def _kernel_nearest(x, s, lo, hi, m, mx, ovf, par, m0, tiny, pos, iq1, iq2, wide
     if gaps: r = _gaps(r, y, tiny, pos)
     return (r / s).to(x.dtype)
 
+# %% ../nbs/01_formats.ipynb #3b410006
 def _kernel_stochastic(x, s, seed, lo, hi, m, mx, ovf, par, m0, tiny, pos, iq1, iq2, wide, gaps):
     y = x.float() * s
     noise = _noise23(y, seed)
@@ -337,10 +349,12 @@ def _tensor_params(fmt: FloatFormat, device) -> dict:
                              for k, v in p.items()}
     return _param_cache[key]
 
+# %% ../nbs/01_formats.ipynb #e88be662
 def compile_mode() -> str:
     "'auto', 'always' or 'never', from the `ALTGRAD_COMPILE` environment variable."
     v = os.environ.get("ALTGRAD_COMPILE", "auto").strip().lower()
-    return {"0": "never", "false": "never", "never": "never", "1": "always", "true": "always", "always": "always"}.get(v, "auto")
+    return {"0": "never", "false": "never", "never": "never", "1": "always", "true": "always",
+            "always": "always"}.get(v, "auto")
 
 def _want_compiled(x: torch.Tensor, compiled: bool | None) -> bool:
     if _compile_broken or torch.compiler.is_compiling(): return False
@@ -348,11 +362,14 @@ def _want_compiled(x: torch.Tensor, compiled: bool | None) -> bool:
     mode = compile_mode()
     return mode == "always" or (mode == "auto" and x.numel() >= COMPILE_MIN_NUMEL)
 
-KERNEL_OPTIONS = {"eager_numerics.division_rounding": True, "emulate_precision_casts": True, "eager_numerics.disable_ftz": True}
+# %% ../nbs/01_formats.ipynb #8593a0b3
+KERNEL_OPTIONS = {"eager_numerics.division_rounding": True, "emulate_precision_casts": True,
+                  "eager_numerics.disable_ftz": True}
 
 def compile_kernel(fn):
-    """`torch.compile` of one of altgrad's elementwise kernels: dynamic shapes, and eager numerics where code generation
-    could depart from them (GPU: IEEE-rounded division, no fused multiply-add, no flush-to-zero; the CPU code is IEEE)."""
+    """`torch.compile` of one of altgrad's elementwise kernels: dynamic shapes, and eager numerics where code
+    generation could depart from them (GPU: IEEE-rounded division, no fused multiply-add, no flush-to-zero; the CPU
+    code is IEEE)."""
     return torch.compile(fn, dynamic=True, options=KERNEL_OPTIONS)
 
 def _get_compiled(kind: str):
@@ -360,6 +377,7 @@ def _get_compiled(kind: str):
         _compiled[kind] = compile_kernel(_kernel_nearest if kind == "nearest" else _kernel_stochastic)
     return _compiled[kind]
 
+# %% ../nbs/01_formats.ipynb #678827aa
 def quantize(x: torch.Tensor, fmt, scale=1.0, rounding: str = "nearest", generator: torch.Generator | None = None,
              compiled: bool | None = None) -> torch.Tensor:
     """Round `x*scale` onto `fmt`'s grid and divide by `scale` (= `from_bits(to_bits(x*scale))/scale`).
@@ -399,6 +417,7 @@ def to_bits(x: torch.Tensor, fmt) -> torch.Tensor:
     if fmt.signed: code = code | (torch.signbit(v).long() << k)
     return code.to(torch.uint8 if fmt.bits <= 8 else torch.int16)
 
+# %% ../nbs/01_formats.ipynb #f5564d7c
 def from_bits(codes: torch.Tensor, fmt) -> torch.Tensor:
     "Decode codes of `fmt` (uint8, or int16 bit patterns) to float32."
     fmt = get_format(fmt)
@@ -406,7 +425,8 @@ def from_bits(codes: torch.Tensor, fmt) -> torch.Tensor:
 
 # %% ../nbs/01_formats.ipynb #d25a3333
 def adversarial_inputs(fmt, n_random: int = 1_000_000, seed: int = 0) -> torch.Tensor:
-    "A float32 test set that stresses rounding of `fmt`: grid, midpoints, their neighbours, range edges, specials, random."
+    """A float32 test set that stresses rounding of `fmt`: grid, midpoints, their neighbours, range edges, specials,
+    random."""
     fmt = get_format(fmt)
     g = fmt.values[fmt.values >= 0]
     top = g[-1] + fmt.ulp(torch.tensor(float(g[-1]))).double()
@@ -420,6 +440,7 @@ def adversarial_inputs(fmt, n_random: int = 1_000_000, seed: int = 0) -> torch.T
     pos = torch.cat([g.float(), near, rnd, spec])
     return torch.cat([pos, -pos])
 
+# %% ../nbs/01_formats.ipynb #57f9be00
 def reference_quantize(x: torch.Tensor, fmt) -> torch.Tensor:
     "Brute force: nearest value of the table (float64), ties to the even code (or away), then the overflow behaviour."
     fmt = get_format(fmt)
