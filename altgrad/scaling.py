@@ -21,7 +21,9 @@ def _floor_pow2(s: torch.Tensor) -> torch.Tensor:
     "Largest power of two <= `s` (positive, normal float32): clear the mantissa bits."
     return (s.view(torch.int32) & 0x7F800000).view(torch.float32)
 
-def compute_scale(amax, fmt, margin: float = 0, power_of_two: bool = False, prev=None) -> tuple[torch.Tensor, torch.Tensor]:
+# %% ../nbs/02_scaling.ipynb #8b9f041b
+def compute_scale(amax, fmt, margin: float = 0, power_of_two: bool = False,
+                  prev=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale(s) mapping `amax` to `fmt.max_value / 2**margin`, elementwise: returns `(scale, ok)` shaped like `amax`.
 
     Where `amax` is 0, inf or NaN, `ok` is False and the scale is `prev` (or 1.0). `power_of_two` floors scales to
@@ -29,11 +31,14 @@ def compute_scale(amax, fmt, margin: float = 0, power_of_two: bool = False, prev
     fmt = get_format(fmt)
     a = torch.as_tensor(amax).detach().to(torch.float32)
     target = torch.tensor(fmt.max_value / 2.0 ** margin, dtype=torch.float32, device=a.device)
-    p = torch.ones((), device=a.device) if prev is None else torch.as_tensor(prev, dtype=torch.float32, device=a.device).expand_as(a)
+    p = (torch.ones((), device=a.device) if prev is None
+         else torch.as_tensor(prev, dtype=torch.float32, device=a.device).expand_as(a))
     return scale_kernel(a, target, p, power_of_two)
 
+# %% ../nbs/02_scaling.ipynb #2a6307ce
 def scale_kernel(a: torch.Tensor, target: torch.Tensor, prev: torch.Tensor, power_of_two: bool = False):
-    "`compute_scale`'s arithmetic on float32 tensors only (`prev` broadcastable to `a`): it compiles into callers' kernels."
+    """`compute_scale`'s arithmetic on float32 tensors only (`prev` broadcastable to `a`): it compiles into callers'
+    kernels."""
     ok = torch.isfinite(a) & (a > 0)
     safe_a = torch.where(ok, a, torch.ones_like(a))
     s = target / safe_a
@@ -52,6 +57,7 @@ def _check_granularity(granularity: str, block_size: int):
     if granularity == "block" and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
+# %% ../nbs/02_scaling.ipynb #18caca09
 def _rows(x: torch.Tensor) -> torch.Tensor:
     "`x` as a 2-D [rows, last dim] view (a 0-d tensor is one row of one element)."
     return x.reshape(1, 1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
@@ -63,6 +69,7 @@ def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     if pad: r = torch.nn.functional.pad(r, (0, pad))
     return r.reshape(r.shape[0], -1, block_size)
 
+# %% ../nbs/02_scaling.ipynb #8b8c7a8c
 def num_groups(x: torch.Tensor, granularity: str = "tensor", block_size: int = 32) -> int:
     "How many scales `x` needs at this granularity."
     _check_granularity(granularity, block_size)
@@ -96,6 +103,7 @@ def expand_scale(scale, x: torch.Tensor, granularity: str = "tensor", block_size
     full = s.reshape(rows, nb, 1).expand(rows, nb, block_size).reshape(rows, nb * block_size)[:, :c]
     return full.reshape(x.shape)
 
+# %% ../nbs/02_scaling.ipynb #eb2217f1
 def quantize_scaled(x: torch.Tensor, fmt, scale, granularity: str = "tensor", block_size: int = 32,
                     rounding: str = "nearest", generator: torch.Generator | None = None) -> torch.Tensor:
     "`quantize(x, fmt, scale)` with one scale per tensor, row or block (block scales floored to powers of two)."
@@ -103,6 +111,7 @@ def quantize_scaled(x: torch.Tensor, fmt, scale, granularity: str = "tensor", bl
     if granularity == "block": s = _floor_pow2(s.clamp(SCALE_MIN, SCALE_MAX))
     return quantize(x, fmt, s, rounding=rounding, generator=generator)
 
+# %% ../nbs/02_scaling.ipynb #3305fd1d
 def current_scale(x: torch.Tensor, fmt, granularity: str = "tensor", block_size: int = 32, margin: float = 0,
                   power_of_two: bool = False, prev=None) -> tuple[torch.Tensor, torch.Tensor]:
     "Current scaling: `compute_scale(amax_of(x, granularity, block_size), ...)`; block mode is always power of two."
@@ -113,7 +122,8 @@ def current_scale(x: torch.Tensor, fmt, granularity: str = "tensor", block_size:
 CLIP_K = 64.0
 
 def partition_mean_abs(x: torch.Tensor, granularity: str = "tensor", block_size: int = 32) -> torch.Tensor:
-    "Mean |x| per partition: a scalar, one per row of `x.reshape(-1, x.shape[-1])`, or one per `block_size` block of each row."
+    """Mean |x| per partition: a scalar, one per row of `x.reshape(-1, x.shape[-1])`, or one per `block_size` block of
+    each row."""
     _check_granularity(granularity, block_size)
     a = x.detach().float().abs()
     if granularity == "tensor": return a.mean()
@@ -123,7 +133,9 @@ def partition_mean_abs(x: torch.Tensor, granularity: str = "tensor", block_size:
     n = (c - torch.arange(nb, device=r.device) * block_size).clamp(max=block_size)   # real elements per block
     return (_blocks(a, block_size).sum(dim=2) / n).reshape(-1)
 
-def partition_clip(x: torch.Tensor, k: float = CLIP_K, granularity: str = "tensor", block_size: int = 32) -> torch.Tensor:
+# %% ../nbs/02_scaling.ipynb #280b709d
+def partition_clip(x: torch.Tensor, k: float = CLIP_K, granularity: str = "tensor",
+                   block_size: int = 32) -> torch.Tensor:
     "Clamp each partition of `x` to ±k·mean|x| of that partition (float32; NaN partitions left alone)."
     tau = k * partition_mean_abs(x, granularity, block_size)
     tau = torch.nan_to_num(tau, nan=math.inf)
@@ -178,7 +190,8 @@ class AmaxHistory(nn.Module):
         h, c = state_dict.get(prefix + "history"), state_dict.get(prefix + "count")
         if h is not None:
             if h.numel() and h.shape[0] != self.window:
-                raise ValueError(f"{prefix}history has a window of {h.shape[0]}, this AmaxHistory has window={self.window}")
+                raise ValueError(f"{prefix}history has a window of {h.shape[0]}, "
+                                 f"this AmaxHistory has window={self.window}")
             self.history = torch.zeros(h.shape, device=self.history.device)   # take the saved shape
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if c is not None: self._n = int(self.count)
