@@ -25,12 +25,14 @@ def range_edges(fmt: FP8Format) -> tuple[float, bool, float]:
     tiny = min(v for v in codes if math.isfinite(v) and v > 0)
     return over, max_code % 2 == 1, tiny / 2
 
+# %% ../nbs/03_diagnostics.ipynb #e9c85bbc
 def _scaled(x: torch.Tensor, scale, granularity: str | None, block_size: int) -> torch.Tensor:
     "x * scale in float32 (expanding a group-shaped scale when `granularity` is given)."
     if granularity is not None: scale = expand_scale(scale, x, granularity, block_size)
     y = x.detach().float()
     return y * (scale.detach().float() if torch.is_tensor(scale) else float(scale))
 
+# %% ../nbs/03_diagnostics.ipynb #23ea5434
 def _stats_tensor(x: torch.Tensor, fmt: FP8Format, y: torch.Tensor) -> torch.Tensor:
     "[overflow, underflow, nan] counts as one int64 tensor (no sync)."
     over, tie_up, under = range_edges(fmt)
@@ -39,7 +41,9 @@ def _stats_tensor(x: torch.Tensor, fmt: FP8Format, y: torch.Tensor) -> torch.Ten
     und = (a <= under) & (x.detach() != 0)
     return torch.stack([ovf.sum(), und.sum(), torch.isnan(y).sum()])
 
-def quantization_stats(x: torch.Tensor, fmt, scale=1.0, granularity: str | None = None, block_size: int = 32) -> dict:
+# %% ../nbs/03_diagnostics.ipynb #7553314c
+def quantization_stats(x: torch.Tensor, fmt, scale=1.0, granularity: str | None = None,
+                       block_size: int = 32) -> dict:
     "Overflow, underflow and NaN counts of `x*scale` in `fmt` (nearest rounding), with rates over all elements."
     fmt = get_format(fmt)
     n = x.numel()
@@ -48,7 +52,8 @@ def quantization_stats(x: torch.Tensor, fmt, scale=1.0, granularity: str | None 
                 overflow_rate=ovf / n if n else 0.0, underflow_rate=und / n if n else 0.0)
 
 # %% ../nbs/03_diagnostics.ipynb #80ad4a19
-def bit_histogram(x: torch.Tensor, fmt, scale=1.0, granularity: str | None = None, block_size: int = 32) -> torch.Tensor:
+def bit_histogram(x: torch.Tensor, fmt, scale=1.0, granularity: str | None = None,
+                  block_size: int = 32) -> torch.Tensor:
     "Counts of each of the 256 codes of `fmt` in `x*scale` (int64 [256]; NaN dropped where `fmt` has no NaN code)."
     fmt = get_format(fmt)
     y = _scaled(x, scale, granularity, block_size).reshape(-1)
@@ -57,6 +62,7 @@ def bit_histogram(x: torch.Tensor, fmt, scale=1.0, granularity: str | None = Non
         if bool(bad.any()): y = y[~bad]
     return torch.bincount(to_bits(y, fmt).to(torch.int64), minlength=256)
 
+# %% ../nbs/03_diagnostics.ipynb #c65570df
 @lru_cache(maxsize=None)
 def _magnitudes(fmt: FP8Format) -> tuple[torch.Tensor, float]:
     "Value of codes 0..127 (inf/NaN codes as 0) and the format's span in binades."
@@ -87,6 +93,7 @@ def stall_counts(weight: torch.Tensor, update: torch.Tensor, fmt, scale=1.0, gra
     same = quantize(w + u, fmt, scale) == quantize(w, fmt, scale)
     return torch.stack([(moved & same).sum(), moved.sum()])
 
+# %% ../nbs/03_diagnostics.ipynb #2b7bbcd1
 def _rate(stalled: int, moved: int) -> float: return stalled / moved if moved else 0.0
 
 def stall_fraction(weight: torch.Tensor, update: torch.Tensor, fmt, scale=1.0, granularity: str | None = None,
@@ -94,6 +101,7 @@ def stall_fraction(weight: torch.Tensor, update: torch.Tensor, fmt, scale=1.0, g
     "Fraction of elements with update != 0 whose quantized value `quantize(weight + update)` did not change."
     return _rate(*stall_counts(weight, update, fmt, scale, granularity, block_size).tolist())
 
+# %% ../nbs/03_diagnostics.ipynb #f7380f03
 class BitStallDetector:
     "Latest bit-stall counts per layer: `.update(...) -> rate`, `.rates`, `.total_rate`, state_dict round trip."
     def __init__(self): self._counts, self._pending = {}, {}
@@ -108,7 +116,8 @@ class BitStallDetector:
         vals = torch.stack([c.to(cs[0].device) for c in cs]).tolist()
         self._counts.update(zip(self._pending, map(tuple, vals))); self._pending.clear()
 
-    def update(self, name: str, weight, update, fmt, scale=1.0, granularity: str | None = None, block_size: int = 32) -> float:
+    def update(self, name: str, weight, update, fmt, scale=1.0, granularity: str | None = None,
+               block_size: int = 32) -> float:
         "Measure layer `name` and return its stall rate."
         self.push(name, weight, update, fmt, scale, granularity, block_size); self._flush()
         return _rate(*self._counts[name])
@@ -148,6 +157,7 @@ def grad_stats_batch(grads: list[torch.Tensor], small: float = 1e-8) -> torch.Te
     linf = torch.maximum(-lo, hi)
     return torch.stack([l2.float(), linf, snr.float(), (small_n / n).float()], dim=1)
 
+# %% ../nbs/03_diagnostics.ipynb #686c2682
 def grad_stats_tensor(g: torch.Tensor, small: float = 1e-8) -> torch.Tensor:
     "float32 `[l2, linf, snr, frac_small]` of one gradient (no device sync)."
     return grad_stats_batch([g], small)[0]
@@ -156,6 +166,7 @@ def grad_stats(g: torch.Tensor, small: float = 1e-8) -> dict[str, float]:
     "`dict(l2, linf, snr, frac_small)` of a gradient, as Python floats (one sync)."
     return dict(zip(GRAD_STATS, grad_stats_tensor(g, small).tolist()))
 
+# %% ../nbs/03_diagnostics.ipynb #e220fb70
 def zero_update_count(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     "Number of entries equal before and after an update (0-d int64, no sync; NaN counts as changed)."
     if before.shape != after.shape:
@@ -175,6 +186,7 @@ def _row_absmax(grad: torch.Tensor) -> torch.Tensor:
     g = g.reshape(g.shape[0], -1) if g.dim() >= 2 else g.reshape(-1, 1)
     return g.abs().amax(dim=1) if g.shape[1] else torch.zeros(g.shape[0], device=g.device)
 
+# %% ../nbs/03_diagnostics.ipynb #7b0bb339
 class DeadNeuronTracker:
     "Fraction of neurons whose |grad| stayed < `threshold` on each of the last `window` updates, per parameter."
     def __init__(self, threshold: float = 1e-8, window: int = 100):
@@ -201,7 +213,8 @@ class DeadNeuronTracker:
 
     def dead_mask(self, name: str) -> torch.Tensor:
         "Bool tensor of dead neurons (rows) of `name`."
-        if name not in self.streak: raise KeyError(f"no gradient of {name!r} recorded yet; known: {sorted(self.streak)}")
+        if name not in self.streak:
+            raise KeyError(f"no gradient of {name!r} recorded yet; known: {sorted(self.streak)}")
         return self.streak[name] >= self.window
 
     def state_dict(self) -> dict:
@@ -213,4 +226,5 @@ class DeadNeuronTracker:
         self.threshold, self.window = float(sd["threshold"]), int(sd["window"])
         self.seen = dict(sd["seen"]); self.streak = {k: v.clone() for k, v in sd["streak"].items()}
 
-    def __repr__(self): return f"DeadNeuronTracker(threshold={self.threshold:g}, window={self.window}, params={len(self.streak)})"
+    def __repr__(self):
+        return f"DeadNeuronTracker(threshold={self.threshold:g}, window={self.window}, params={len(self.streak)})"
