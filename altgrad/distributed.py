@@ -24,10 +24,13 @@ class DistEnv:
     world_size: int = 1
     local_rank: int = 0
 
+# %% ../nbs/06_distributed.ipynb #39eb1b4f
 def _env_int(env, key: str, default: int | None = None) -> int:
     v = env.get(key)
     if v is None:
-        if default is None: raise ValueError(f"{key} is not set, but WORLD_SIZE is: launch with torchrun (it sets RANK, LOCAL_RANK, ...)")
+        if default is None:
+            raise ValueError(f"{key} is not set, but WORLD_SIZE is: launch with torchrun "
+                             "(it sets RANK, LOCAL_RANK, ...)")
         return default
     try: return int(v)
     except ValueError: raise ValueError(f"environment variable {key}={v!r} is not an integer") from None
@@ -60,6 +63,7 @@ def dist_timeout(env=None) -> float:
 class DistributedError(RuntimeError):
     "A collective failed: another rank died, or did not answer within the timeout."
 
+# %% ../nbs/06_distributed.ipynb #760ff956
 def is_distributed() -> bool:
     "Is a process group with more than one rank open?"
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -76,17 +80,21 @@ def is_main() -> bool:
     "Rank 0 (or a single process): the one that logs and writes files."
     return rank() == 0
 
+# %% ../nbs/06_distributed.ipynb #1af71baf
 def device_for(device: str, env: DistEnv | None = None) -> str:
     "This rank's device: 'cuda' becomes 'cuda:LOCAL_RANK' under torchrun ('cuda:N' is refused there); else unchanged."
     env = dist_env() if env is None else env
     if env is None: return device
     if device.startswith("cuda:"):
         raise ConfigError(f"device={device!r} would put all {env.world_size} ranks on one GPU; under torchrun use "
-                          f"device=cuda or device=auto (rank r then uses cuda:LOCAL_RANK; pick GPUs with CUDA_VISIBLE_DEVICES)")
+                          f"device=cuda or device=auto (rank r then uses cuda:LOCAL_RANK; "
+                          f"pick GPUs with CUDA_VISIBLE_DEVICES)")
     return f"cuda:{env.local_rank}" if device == "cuda" else device
 
+# %% ../nbs/06_distributed.ipynb #56d96085
 def init_distributed(device: str = "cpu", timeout: float | None = None) -> DistEnv | None:
-    "Open the process group `torchrun` describes (`nccl` on CUDA, else `gloo`); None, and nothing opened, for one process."
+    """Open the process group `torchrun` describes (`nccl` on CUDA, else `gloo`); None, and nothing opened, for one
+    process."""
     env = dist_env()
     if env is None: return None
     if not dist.is_available(): raise DistributedError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed")
@@ -108,8 +116,10 @@ def _collective(name: str, fn, *args, **kw):
     try: return fn(*args, **kw)
     except Exception as e:
         raise DistributedError(f"rank {rank()} of {world_size()}: {name} failed; another rank died or did not answer "
-                               f"within the timeout (ALTGRAD_DIST_TIMEOUT={dist_timeout():g}s): {type(e).__name__}: {e}") from e
+                               f"within the timeout (ALTGRAD_DIST_TIMEOUT={dist_timeout():g}s): "
+                               f"{type(e).__name__}: {e}") from e
 
+# %% ../nbs/06_distributed.ipynb #acdd467b
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     "In place: elementwise max over ranks (NaN counts as +inf); returns `t`."
     if not is_distributed(): return t
@@ -130,6 +140,7 @@ def all_true(flag, device="cpu") -> bool:
     _collective("all_reduce(flag)", dist.all_reduce, t, op=dist.ReduceOp.SUM)
     return int(t) == 0
 
+# %% ../nbs/06_distributed.ipynb #809a429c
 def _flat_all_reduce_(tensors: list[torch.Tensor], op, name: str, mean: bool = False) -> list[torch.Tensor]:
     "In place over ranks, one flat all-reduce per (dtype, device) group; returns `tensors`."
     if not is_distributed() or not tensors: return tensors
@@ -153,6 +164,7 @@ def all_reduce_max_(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     "In place: each tensor becomes its elementwise max over ranks (NaN counts as +inf; one flat all-reduce per dtype)."
     return _flat_all_reduce_(tensors, dist.ReduceOp.MAX, "all_reduce(max)")
 
+# %% ../nbs/06_distributed.ipynb #3261db22
 def broadcast_object(obj, src: int = 0):
     "`obj` of rank `src` on every rank (a picklable object)."
     if not is_distributed(): return obj
