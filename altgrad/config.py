@@ -100,8 +100,8 @@ class TrainConfig:
 
 
     def __init__(self, **keys):
-        ("Every key by keyword (the others: their defaults); the regime as `regime=` or, as saved configs spell it, "
-         "`REGIME_KEYS`.")
+        """Every key by keyword (the others: their defaults); the regime as `regime=` or, as saved configs spell it,
+        `REGIME_KEYS`."""
         keys, names = fold_regime(keys, "TrainConfig()"), [f.name for f in fields(self)]
         # unknown keys: ConfigError, with suggestions
         if any(k not in names for k in keys): check_keys(keys, "TrainConfig()")
@@ -122,12 +122,12 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        ("Tokens per optimizer step of one process (one rank); a `torchrun` job of N ranks trains N times as many "
-         "(`Trainer.tokens_per_step`).")
+        """Tokens per optimizer step of one process (one rank); a `torchrun` job of N ranks trains N times as many
+        (`Trainer.tokens_per_step`)."""
         return self.batch_size * self.grad_accum * self.block_size
 
-    # the regime's parts, read-only (set `regime`): where the weights live, the landing, the base optimizer, the
-    # residual
+    # the regime's parts, read-only (set `regime`): where the weights live, the landing, the base optimizer,
+    # the residual
     master_weights = property(lambda self: self.regime.master_weights)
     weight_update = property(lambda self: self.regime.landing)
     optimizer = property(lambda self: self.regime.optimizer)
@@ -150,8 +150,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> TrainConfig:
-        ("Build from a dict (renamed keys mapped, see `RENAMED_KEYS`; `REGIME_KEYS` folded into `regime`); unknown "
-         "keys raise `ConfigError`.")
+        """Build from a dict (renamed keys mapped, see `RENAMED_KEYS`; `REGIME_KEYS` folded into `regime`); unknown
+        keys raise `ConfigError`."""
         d = renamed_keys(d, source)
         check_keys(d, source)
         return cls(**fold_regime(d, source))
@@ -355,8 +355,8 @@ def as_rule(value):
 
 # %% ../nbs/05_config.ipynb #74b92edc
 def rule_from_keys(keys: dict, lr_scale=None):
-    ("The regime that `REGIME_KEYS` values ran: the registered rule they spell, else an unregistered `UpdateRule` "
-     "'custom'.")
+    """The regime that `REGIME_KEYS` values ran: the registered rule they spell, else an unregistered `UpdateRule`
+    'custom'."""
     try: r = UPDATE_RULES[rule_of({**keys, "lr_scale": lr_scale})]
     except ValueError: r = None
     if r is not None and regime_keys(r) == keys: return r
@@ -470,8 +470,8 @@ BACKWARD_DEFAULTS = {"eval_tokens": 0, "data_seed": None, "init_from": None}   #
 _RENAME_NOTED: set = set()                          # old keys already announced in this process
 
 def renamed_keys(d: dict, source: str = "config") -> dict:
-    ("`d` with old key names (`RENAMED_KEYS`) mapped to the new ones (one stderr line per old key and process); both "
-     "-> ConfigError.")
+    """`d` with old key names (`RENAMED_KEYS`) mapped to the new ones (one stderr line per old key and process); both
+    -> ConfigError."""
     if not any(k in d for k in RENAMED_KEYS): return d
     d = dict(d)
     for old, new in RENAMED_KEYS.items():
@@ -488,8 +488,8 @@ def renamed_keys(d: dict, source: str = "config") -> dict:
 
 # %% ../nbs/05_config.ipynb #730ae4c5
 def missing_keys(saved: dict) -> list[str]:
-    ("Keys a saved config (e.g. an old `config.yaml`) lacks whose default may differ from what ran (renames and "
-     "`BACKWARD_DEFAULTS` excepted).")
+    """Keys a saved config (e.g. an old `config.yaml`) lacks whose default may differ from what ran (renames and
+    `BACKWARD_DEFAULTS` excepted)."""
     have = {RENAMED_KEYS.get(k, k) for k in saved}
     if "regime" in have: have |= set(REGIME_KEYS)                        # the regime in one key: all of its parts
     return [k for k in TrainConfig().to_dict() if k not in have and k not in BACKWARD_DEFAULTS]
@@ -508,8 +508,8 @@ def config_keys_help() -> str:
 
 # %% ../nbs/05_config.ipynb #0684a9a2
 def check_keys(d: dict, source: str = "config"):
-    ("Raise `ConfigError` for keys of `d` that are not `TrainConfig` fields, suggesting the nearest (`KEY_ALIASES`, "
-     "then `difflib`).")
+    """Raise `ConfigError` for keys of `d` that are not `TrainConfig` fields, suggesting the nearest (`KEY_ALIASES`,
+    then `difflib`)."""
     valid = [f.name for f in fields(TrainConfig)] + list(REGIME_KEYS)      # (the regime's old keys are valid input)
     bad = [k for k in d if k not in valid]
     if not bad: return
@@ -636,8 +636,8 @@ def autocast_dtype(cfg: TrainConfig, device: str | torch.device) -> torch.dtype 
 RESEARCH_KEYS = ("run_order", "expectations", "retries")
 
 def research_choices(path=None) -> dict:
-    ("The research choices of `altgrad/research.yaml` (or `path`): `run_order`, `expectations`, `retries` (see the "
-     "file).")
+    """The research choices of `altgrad/research.yaml` (or `path`): `run_order`, `expectations`, `retries` (see the
+    file)."""
     import altgrad
     p = Path(path) if path else Path(altgrad.__file__).parent / "research.yaml"
     d = _read_yaml(p)
