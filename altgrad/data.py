@@ -26,8 +26,8 @@ def _is_shared(p: Path) -> bool:
 
 # %% ../nbs/10_data.ipynb #8750a440
 def shared_data_dir(start: str | Path | None = None) -> Path | None:
-    ("The offline data folder: `$ALTGRAD_SHARED_DATA`, else the first `shared/data` at or beside an ancestor of "
-     "`start` (default: cwd).")
+    """The offline data folder: `$ALTGRAD_SHARED_DATA`, else the first `shared/data` at or beside an ancestor of
+    `start` (default: cwd)."""
     if env := os.environ.get(ENV_SHARED):
         p = Path(env).expanduser()
         if not p.is_dir():
@@ -47,8 +47,8 @@ GPT2_BPE_FILES = {"6d1cbeee0f20b3d9449abfede4726ed8212e3aee": "vocab.bpe",
 
 # %% ../nbs/10_data.ipynb #96413050
 def get_tokenizer(near: str | Path | None = None):
-    ("tiktoken's GPT-2 BPE; uses `shared/data/tiktoken_cache` (or a `tiktoken_cache` beside `near`) when "
-     "`TIKTOKEN_CACHE_DIR` is unset.")
+    """tiktoken's GPT-2 BPE; uses `shared/data/tiktoken_cache` (or a `tiktoken_cache` beside `near`) when
+    `TIKTOKEN_CACHE_DIR` is unset."""
     import tiktoken
     if "TIKTOKEN_CACHE_DIR" not in os.environ:
         sd = shared_data_dir()
@@ -83,8 +83,8 @@ def prepare_cmd(out="DIR") -> str:
 
 # %% ../nbs/10_data.ipynb #888a875c
 def resolve_source(source: str | Path | None = None) -> Path | str:
-    ("A local folder (as a resolved `Path`) or a Hub id `name[:config]` (as `str`). Default: `shared/data/eurlex`, "
-     "else the Hub.")
+    """A local folder (as a resolved `Path`) or a Hub id `name[:config]` (as `str`). Default: `shared/data/eurlex`,
+    else the Hub."""
     if source is None:
         sd = shared_data_dir()
         return (sd/"eurlex").resolve() if sd and (sd/"eurlex").is_dir() else HUB_DEFAULT
@@ -212,8 +212,8 @@ def _prepared(out: Path, want: dict, verify: bool) -> dict | None:
 def prepare_eurlex(out_dir: str | Path, source: str | Path | None = None, max_docs: int | None = None,
                    num_threads: int | None = None, force: bool = False, verify: bool = False,
                    progress: bool = True) -> dict:
-    ("Tokenize `source` into `out_dir`/{train,val,test}.bin (uint16) + meta.json; a no-op if already prepared "
-     "identically.")
+    """Tokenize `source` into `out_dir`/{train,val,test}.bin (uint16) + meta.json; a no-op if already prepared
+    identically."""
     if max_docs is not None and (not isinstance(max_docs, int) or max_docs < 1):
         raise ValueError(f"max_docs must be a positive int or None, got {max_docs!r}")
     out, src = Path(out_dir), resolve_source(source)
@@ -284,8 +284,8 @@ def open_split(data_dir: str | Path, split: str) -> np.memmap:
 
 # %% ../nbs/10_data.ipynb #3f750080
 class TokenData:
-    ("The prepared splits of one folder: `td['train']` is a read-only uint16 memmap of ids `< n_vocab` (vocabulary "
-     "`vocab`).")
+    """The prepared splits of one folder: `td['train']` is a read-only uint16 memmap of ids `< n_vocab` (vocabulary
+    `vocab`)."""
     def __init__(self, data_dir: str | Path):
         self.dir = Path(data_dir); self.meta = load_meta(self.dir); self._maps = {}
     @property
@@ -333,8 +333,8 @@ def _check_K(K) -> int:
 
 # %% ../nbs/10_data.ipynb #5dd879e9
 def build_vocab(train, K: int, n_vocab: int) -> dict:
-    ("The top-`K` vocabulary of a train split: its `K-1` most frequent ids -> dense ids `0..K-2` (rank order), all "
-     "else -> `K-1` ('other').")
+    """The top-`K` vocabulary of a train split: its `K-1` most frequent ids -> dense ids `0..K-2` (rank order), all
+    else -> `K-1` ('other')."""
     K = _check_K(K)
     counts = np.bincount(np.asarray(train), minlength=n_vocab)
     if len(counts) > n_vocab: raise ValueError(f"train holds token ids >= n_vocab={n_vocab}; re-prepare with --force")
@@ -364,8 +364,8 @@ def vocab_dir(base_dir: str | Path, K: int) -> Path:
 # %% ../nbs/10_data.ipynb #72270e2a
 def prepare_vocab(base_dir: str | Path, K: int, out_dir: str | Path | None = None, force: bool = False,
                   verify: bool = False) -> dict:
-    ("Remap the GPT-2 data of `base_dir` to its top-`K` vocabulary (`build_vocab` on train) in `out_dir` (default "
-     "`vocab_dir`).")
+    """Remap the GPT-2 data of `base_dir` to its top-`K` vocabulary (`build_vocab` on train) in `out_dir` (default
+    `vocab_dir`)."""
     K, base = _check_K(K), TokenData(base_dir)
     if "vocab" in base.meta["tokenizer"]:
         raise ValueError(f"{base_dir} already holds the compact vocabulary {base.vocab!r}; give the folder prepared "
@@ -426,8 +426,8 @@ def vocab_info(data_dir: str | Path) -> dict:
 
 # %% ../nbs/10_data.ipynb #ce1e724b
 def data_for_vocab(data_dir: str | Path, vocab_size: int) -> Path:
-    ("The prepared folder a model with `vocab_size` classes reads: `data_dir` when its vocabulary fits, else its "
-     "top-`vocab_size` one.")
+    """The prepared folder a model with `vocab_size` classes reads: `data_dir` when its vocabulary fits, else its
+    top-`vocab_size` one."""
     td = TokenData(data_dir)
     if "mapping" not in td.meta["tokenizer"]:                    # the full GPT-2 vocabulary
         if vocab_size >= td.n_vocab: return td.dir
@@ -441,8 +441,8 @@ def data_for_vocab(data_dir: str | Path, vocab_size: int) -> Path:
 
 # %% ../nbs/10_data.ipynb #4b01d768
 def prepare_cli(argv: list[str] | None = None) -> int:
-    ("Console script: `altgrad-prepare --source SOURCE --out DIR [--max-docs N] [--vocab K [--vocab-out DIR2]] "
-     "[--force]`.")
+    """Console script: `altgrad-prepare --source SOURCE --out DIR [--max-docs N] [--vocab K [--vocab-out DIR2]]
+    [--force]`."""
     p = argparse.ArgumentParser(prog="altgrad-prepare",
                                 description="Tokenize EurLex with GPT-2 BPE into uint16 train/val/test .bin files + "
                                             "meta.json.")
@@ -482,8 +482,8 @@ def prepare_cli(argv: list[str] | None = None) -> int:
 
 # %% ../nbs/10_data.ipynb #5ba3df5a
 def unigram_baseline(data_dir: str | Path) -> float:
-    ("Val cross-entropy (nats/token) of the add-one-smoothed train unigram distribution, over the folder's vocabulary "
-     "(`TokenData.n_vocab`).")
+    """Val cross-entropy (nats/token) of the add-one-smoothed train unigram distribution, over the folder's vocabulary
+    (`TokenData.n_vocab`)."""
     td = TokenData(data_dir); V = td.n_vocab
     counts = np.bincount(td["train"], minlength=V).astype(np.float64)
     if len(counts) > V: raise ValueError(f"{data_dir}: train holds token ids >= n_vocab={V}; re-prepare with --force")
