@@ -115,8 +115,8 @@ def _column(vals: list):
 # %% ../nbs/15_tracking.ipynb #85090375
 def write_metrics_compact(records: list[dict], path: str | os.PathLike, source_bytes: int | None = None,
                           meta: dict | None = None) -> Path:
-    ("Write `records` (as `read_metrics` returns them) to a zstd Parquet file at `path` (atomically); `meta`: extra "
-     "metadata.")
+    """Write `records` (as `read_metrics` returns them) to a zstd Parquet file at `path` (atomically); `meta`: extra
+    metadata."""
     import pyarrow as pa, pyarrow.parquet as pq
     path = Path(path)
     keys = list(dict.fromkeys(k for r in records for k in r))
@@ -169,8 +169,8 @@ def read_metrics_compact(path: str | os.PathLike) -> list[dict]:
 
 # %% ../nbs/15_tracking.ipynb #ed516422
 def metrics_file(run_dir: str | os.PathLike) -> Path | None:
-    ("The file holding `run_dir`'s metrics: `metrics.jsonl` unless the compact file was made from exactly it (or it is "
-     "gone).")
+    """The file holding `run_dir`'s metrics: `metrics.jsonl` unless the compact file was made from exactly it (or it is
+    gone)."""
     d = Path(run_dir); j, c = d / METRICS_JSONL, d / METRICS_COMPACT
     if c.exists():
         if not j.exists(): return c
@@ -194,8 +194,8 @@ def same_records(a: list[dict], b: list[dict]) -> bool:
 
 # %% ../nbs/15_tracking.ipynb #b2935a7e
 def compact_metrics(run_dir: str | os.PathLike, remove_jsonl: bool = False, check: bool = True) -> Path:
-    ("Write `run_dir/metrics.parquet` from `run_dir/metrics.jsonl` (checking the round trip); optionally delete the "
-     "JSONL.")
+    """Write `run_dir/metrics.parquet` from `run_dir/metrics.jsonl` (checking the round trip); optionally delete the
+    JSONL."""
     d = Path(run_dir); j = d / METRICS_JSONL
     if not j.exists():
         if (d / METRICS_COMPACT).exists(): return d / METRICS_COMPACT
@@ -253,8 +253,8 @@ def read_wandb_records(path: str | os.PathLike, tail_blocks: int | None = None) 
 
 # %% ../nbs/15_tracking.ipynb #2842f56c
 def wandb_log_complete(path: str | os.PathLike) -> bool:
-    ("True when the W&B transaction log `path` ends with its run's `exit` record (its last block is read, not the "
-     "whole log).")
+    """True when the W&B transaction log `path` ends with its run's `exit` record (its last block is read, not the
+    whole log)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -352,8 +352,8 @@ def _new_id() -> str: return uuid.uuid4().hex[:8]
 
 # %% ../nbs/15_tracking.ipynb #10ea168f
 class Tracker:
-    ("Log metrics every step to W&B and `run_dir/metrics.jsonl` (+ `metrics.parquet` at `finish`); alerts to W&B, "
-     "console and `alerts.jsonl`.")
+    """Log metrics every step to W&B and `run_dir/metrics.jsonl` (+ `metrics.parquet` at `finish`); alerts to W&B,
+    console and `alerts.jsonl`."""
     def __init__(self, run_dir: str | os.PathLike, config: dict | None = None, project: str = "altgrad",
                  name: str | None = None, tags=(), mode: str = "offline", run_id: str | None = None,
                  resume: bool = False, cooldowns: dict | None = None, default_cooldown: float = 300.0,
@@ -581,8 +581,8 @@ def _keep_until(records: list[dict], step: int) -> list[dict]:
 
 # %% ../nbs/15_tracking.ipynb #37138a6e
 def truncate_records(run_dir: str | os.PathLike, step: int) -> dict:
-    ("Drop every per-step record after `step` from the run's metrics, alerts and histograms; returns {file: records "
-     "dropped}.")
+    """Drop every per-step record after `step` from the run's metrics, alerts and histograms; returns {file: records
+    dropped}."""
     d, step, out = Path(run_dir), int(step), {}
     j, c = d / METRICS_JSONL, d / METRICS_COMPACT
     if j.exists():
@@ -625,8 +625,8 @@ def rewind(self: Tracker, step: int) -> dict:
 
 # %% ../nbs/15_tracking.ipynb #0dc9cbcc
 class NullTracker:
-    ("A `Tracker` that does nothing (data-parallel ranks other than 0; rank 0 logs, its `perf/*` and `nan/source` are "
-     "its own).")
+    """A `Tracker` that does nothing (data-parallel ranks other than 0; rank 0 logs, its `perf/*` and `nan/source` are
+    its own)."""
     run, run_id, mode, resumed = None, None, "disabled", False
     def log(self, metrics: dict, step: int): pass
     def alert(self, kind: str, title: str, text: str, level: str = "WARN", step: int | None = None) -> bool:
@@ -645,8 +645,8 @@ COMPACT_COLUMNS = ("step", "train/*", "val/*", "perf/*", "nan/*", "divergence", 
 LAYER_COLUMNS = ("overflow/*", "underflow/*", "stall/*", "lost_update/*")
 
 def compact_columns(keys, summary: dict | None = None, layers: bool = True) -> list[str]:
-    ("The keys of `keys` that the compact run format keeps (`COMPACT_COLUMNS`, `LAYER_COLUMNS` if `layers`, the "
-     "fallbacks).")
+    """The keys of `keys` that the compact run format keeps (`COMPACT_COLUMNS`, `LAYER_COLUMNS` if `layers`, the
+    fallbacks)."""
     import fnmatch
     keys = list(keys)
     pats = list(COMPACT_COLUMNS) + (list(LAYER_COLUMNS) if layers else [])
