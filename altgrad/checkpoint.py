@@ -267,8 +267,8 @@ def _candidates(self: CheckpointManager) -> list[Path]:
 
 @patch
 def load_latest(self: CheckpointManager, map_location="cpu", with_info: bool = False):
-    ("(state, path) of the newest readable checkpoint, else (None, None); `with_info=True` adds {'skipped': [(path, "
-     "why)]}.")
+    """(state, path) of the newest readable checkpoint, else (None, None); `with_info=True` adds {'skipped': [(path,
+    why)]}."""
     self.skipped = []
     for path in self._candidates():
         try: state = self.load(path, map_location=map_location)
