@@ -80,8 +80,8 @@ def read_yaml(p) -> dict:
 
 # %% ../nbs/17_runs.ipynb #feb33364
 def read_run_alerts(run_dir) -> list[dict]:
-    ("The alerts of a run folder (`alerts.jsonl`, else `alerts.parquet`: `tracking.read_alerts`); [] when it has "
-     "neither.")
+    """The alerts of a run folder (`alerts.jsonl`, else `alerts.parquet`: `tracking.read_alerts`); [] when it has
+    neither."""
     d = Path(run_dir)
     return read_alerts(d) if (d / ALERTS_JSONL).exists() or (d / ALERTS_COMPACT).exists() else []
 
@@ -102,8 +102,8 @@ def current_keys(cfg: dict) -> dict:
     return out
 
 def layer_formats_of(cfg: dict) -> list:
-    ("The per-layer precision layout (`layer_formats`, `[[pattern, format-or-None], ...]`) of a run's config; [] when "
-     "uniform.")
+    """The per-layer precision layout (`layer_formats`, `[[pattern, format-or-None], ...]`) of a run's config; [] when
+    uniform."""
     return current_keys(cfg).get("layer_formats") or []
 
 # %% ../nbs/17_runs.ipynb #f186e736
@@ -182,8 +182,8 @@ def dataset_of(run_dir, depth: int = 4) -> tuple[Path, str] | None:
 
 # %% ../nbs/17_runs.ipynb #56eb8fa7
 def _dataset_run(run_dir, folder: Path, name: str) -> Run:
-    ("The `Run` of row `name` of the dataset in `folder` (fresh copies: a reader may change them), as if read from "
-     "`run_dir`.")
+    """The `Run` of row `name` of the dataset in `folder` (fresh copies: a reader may change them), as if read from
+    `run_dir`."""
     row = _table(folder)[name]
     m, a = _cached("steps", folder, (STEPS_FILE, DATASET_ALERTS), _read_steps_records).get(name, ([], []))
     return Run(Path(run_dir), [dict(r) for r in m], [dict(r) for r in a], copy.deepcopy(row.get("summary") or {}),
@@ -191,8 +191,8 @@ def _dataset_run(run_dir, folder: Path, name: str) -> Run:
 
 # %% ../nbs/17_runs.ipynb #1c45d0d0
 def read_config(run_dir) -> dict:
-    ("The config a run saved (`config.yaml`, else its dataset row), keys as written; FileNotFoundError when it has "
-     "neither.")
+    """The config a run saved (`config.yaml`, else its dataset row), keys as written; FileNotFoundError when it has
+    neither."""
     d = Path(run_dir)
     if (d / "config.yaml").is_file() or (hit := dataset_of(d)) is None:
         import yaml
@@ -281,8 +281,8 @@ def _data_diff(a, b) -> str | None:
 
 # %% ../nbs/17_runs.ipynb #9124ad9b
 def config_diff(saved, requested) -> list[str]:
-    ("`'key: saved -> requested'` for every config field that differs (TrainConfig or dict; out_dir, resume, wandb_* "
-     "ignored; data by content).")
+    """`'key: saved -> requested'` for every config field that differs (TrainConfig or dict; out_dir, resume, wandb_*
+    ignored; data by content)."""
     a = saved.to_dict() if isinstance(saved, TrainConfig) else dict(saved)
     b = requested.to_dict() if isinstance(requested, TrainConfig) else dict(requested)
     out = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in list(dict.fromkeys([*a, *b]))
@@ -332,8 +332,8 @@ def check_run(run_dir, cfg=None, accept=DONE) -> tuple:
 REUSED_FILE = "reused.json"
 
 def is_writeup(d) -> bool:
-    ("A write-up folder: holds the run folder `run/` (with its `config.yaml`), or its run is a row of a dataset above "
-     "it.")
+    """A write-up folder: holds the run folder `run/` (with its `config.yaml`), or its run is a row of a dataset above
+    it."""
     return (Path(d) / "run" / "config.yaml").exists() or dataset_of(Path(d) / "run") is not None
 
 def is_sweep(d) -> bool:
@@ -372,8 +372,8 @@ def reuse_marker(dest) -> dict | None:
 
 # %% ../nbs/17_runs.ipynb #490964b7
 def load_runs(out, names: list[str]) -> dict:
-    ("`{name: Run or None}` for the run folders `out/<name>/run` (a reused row: the run it reused; None: not run or "
-     "incomplete).")
+    """`{name: Run or None}` for the run folders `out/<name>/run` (a reused row: the run it reused; None: not run or
+    incomplete)."""
     res = {}
     for n in names:
         m = reuse_marker(Path(out) / n)
@@ -409,8 +409,8 @@ def _write_records(records: list[dict], path: Path) -> Path:
 
 # %% ../nbs/17_runs.ipynb #ee77e35b
 def run_folders(folder) -> list[Path]:
-    ("Every run folder below `folder` (holding `config.yaml` and metrics), sorted; folders named `_*` or `.*` are "
-     "skipped.")
+    """Every run folder below `folder` (holding `config.yaml` and metrics), sorted; folders named `_*` or `.*` are
+    skipped."""
     f = Path(folder)
     return sorted(p.parent for p in f.rglob("config.yaml") if metrics_file(p.parent) is not None
                   and not any(x.startswith(("_", ".")) for x in p.parent.relative_to(f).parts))
@@ -429,14 +429,12 @@ def write_dataset(folder, runs=None, keep=None) -> dict:
     in the dataset, rows packed now, metric columns of `steps.parquet`)."""
     import pyarrow as pa, pyarrow.parquet as pq
     f = Path(folder)
-    if (f / TABLE).exists():
-        raise ValueError(f"{f} holds a {TABLE} table (altgrad.confirm's): write_dataset writes {TABLE_PARQUET}; pack "
-                         "into another folder")
+    if (f / TABLE).exists(): raise ValueError(f"{f} holds a {TABLE} table (altgrad.confirm's): write_dataset writes "
+                                              f"{TABLE_PARQUET}; pack into another folder")
     runs = run_folders(f) if runs is None else [Path(r) for r in runs]
     bad = [str(r) for r in runs if f.resolve() not in Path(r).resolve().parents or metrics_file(r) is None]
-    if bad:
-        raise ValueError(f"not run folders below {f} (a folder holding metrics.parquet or metrics.jsonl): "
-                         f"{', '.join(bad[:5])}")
+    if bad: raise ValueError(f"not run folders below {f} (a folder holding metrics.parquet or metrics.jsonl): "
+                             f"{', '.join(bad[:5])}")
     kept = lambda k: k == "step" or keep is None or any(fnmatch.fnmatchcase(k, p) for p in keep)
     new = {}
     for r in runs:
@@ -460,15 +458,13 @@ def write_dataset(folder, runs=None, keep=None) -> dict:
     _write_records(steps, f / STEPS_FILE)
     if alerts: _write_records(alerts, f / DATASET_ALERTS)
     else: (f / DATASET_ALERTS).unlink(missing_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows,
-                                        schema=pa.schema([(k, pa.string())
-                                                          for k in ("name", "config", "summary", "histograms")])),
+    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([(k, pa.string()) for k in
+                                                                ("name", "config", "summary", "histograms")])),
                    f / TABLE_PARQUET, compression="zstd", compression_level=DATASET_ZSTD_LEVEL)
     for kind in ("table", "steps"): _CACHE.pop((kind, str(f.resolve())), None)
     differ = [n for n, run in new.items() if not _same_run(_dataset_run(run.dir, f, n), run)]
-    if differ:
-        raise RuntimeError(f"{f}: {len(differ)} packed runs do not read back as their folders "
-                           f"({', '.join(differ[:3])}); please report this bug")
+    if differ: raise RuntimeError(f"{f}: {len(differ)} packed runs do not read back as their folders "
+                                  f"({', '.join(differ[:3])}); please report this bug")
     return dict(runs=len(names), packed=len(new), columns=len({k for m in steps for k in m}) - 1)
 
 # %% ../nbs/17_runs.ipynb #08799ff2
