@@ -25,8 +25,8 @@ class JobsInterrupted(KeyboardInterrupt):
 
 # %% ../nbs/19_pool.ipynb #93857f15
 def job_env(cpu: bool, env: dict | None = None) -> dict:
-    ("The environment of one run process: on CPU one thread (`OMP_NUM_THREADS=1`, `MKL_NUM_THREADS=1`), so N processes "
-     "share N cores.")
+    """The environment of one run process: on CPU one thread (`OMP_NUM_THREADS=1`, `MKL_NUM_THREADS=1`), so N processes
+    share N cores."""
     e = dict(os.environ if env is None else env)
     if cpu: e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     e["PYTHONUNBUFFERED"] = "1"                     # the log shows what the process did until it stopped
@@ -43,8 +43,8 @@ def one_thread() -> None:
 # %% ../nbs/19_pool.ipynb #1d95459e
 @dataclass
 class Job:
-    ("One process of `run_pool`: argv `cmd`, stdout and stderr to `log`; it starts once every job in `after` exited 0 "
-     "(lower `rank` first).")
+    """One process of `run_pool`: argv `cmd`, stdout and stderr to `log`; it starts once every job in `after` exited 0
+    (lower `rank` first)."""
     id: str
     cmd: list
     log: Path
