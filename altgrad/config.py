@@ -532,9 +532,8 @@ PRESETS: dict[str, dict] = {
                   max_steps=20, lr=1e-3, min_lr=1e-4, warmup_steps=2, eval_interval=10, eval_iters=2,
                   checkpoint_interval=10, precision="auto"),
     "study": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=4096, dropout=0.0, batch_size=8,
-                  grad_accum=1,
-                  max_steps=400, lr=3e-3, min_lr=3e-4, warmup_steps=40, eval_interval=100, eval_tokens=32768,
-                  checkpoint_interval=100, shadow=False, precision="auto"),
+                  grad_accum=1, max_steps=400, lr=3e-3, min_lr=3e-4, warmup_steps=40, eval_interval=100,
+                  eval_tokens=32768, checkpoint_interval=100, shadow=False, precision="auto"),
 }
 
 def preset_path(name: str) -> Path:
