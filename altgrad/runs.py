@@ -11,8 +11,7 @@ import numpy as np
 from fastcore.basics import patch
 from .config import RENAMED_KEYS, ConfigError, TrainConfig, load_config, missing_keys
 from .tracking import (read_metrics, read_alerts, write_metrics_compact, encode_json, read_metrics_compact,
-                              same_records,
-                              metrics_file, METRICS_JSONL, METRICS_COMPACT, _column, _ABSENT, _META_KEY)
+                              same_records, metrics_file, METRICS_JSONL, METRICS_COMPACT, _column, _ABSENT, _META_KEY)
 
 # %% auto #0
 __all__ = ['ALERTS_JSONL', 'ALERTS_COMPACT', 'TABLE', 'TABLE_PARQUET', 'STEPS_FILE', 'DATASET_ALERTS', 'RUN_FILES', 'DONE',
@@ -265,8 +264,8 @@ def data_identity(data_dir) -> dict | None:
     "`{split: (sha256, tokens)}` from a prepared data folder's `meta.json` (its token content); None when unreadable."
     try: meta = json.loads((Path(data_dir) / "meta.json").read_text())
     except (OSError, ValueError, TypeError): return None
-    ident = {s: (i.get("sha256"), i.get("tokens")) for s,
-             i in (meta.get("splits") or {}).items() if isinstance(i, dict)}
+    ident = {s: (i.get("sha256"), i.get("tokens"))
+             for s, i in (meta.get("splits") or {}).items() if isinstance(i, dict)}
     return ident or None
 
 # %% ../nbs/17_runs.ipynb #58f4262d
