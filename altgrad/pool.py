@@ -55,8 +55,7 @@ class Job:
 
 # %% ../nbs/19_pool.ipynb #f6662996
 def run_pool(jobs, n: int, env: dict | None = None, on_done=None, count=None, desc: str = "runs",
-             prefix: str = "[altgrad]",
-             poll: float = 0.2, stream=None, until: float | None = None) -> dict:
+             prefix: str = "[altgrad]", poll: float = 0.2, stream=None, until: float | None = None) -> dict:
     """Run `jobs` (`Job`s), at most `n` at a time, each in its own process and session; returns `{id: exit code}` of the
     jobs that ran (one whose `after` failed never starts: a line says so). A line per job that ends; a failure's names
     its log. `on_done(job, rc)` may return more jobs to run. The progress bar counts ended jobs, or follows `count()`
@@ -79,8 +78,7 @@ def run_pool(jobs, n: int, env: dict | None = None, on_done=None, count=None, de
     main = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if main else {}
     bar = tqdm(total=len(pending) if count is None else count()[1], unit="run" if count else "job", desc=desc,
-               file=sys.stderr,
-               dynamic_ncols=True)
+               file=sys.stderr, dynamic_ncols=True)
     try:
         while pending or running:
             # a job it needs failed
