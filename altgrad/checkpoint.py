@@ -28,6 +28,7 @@ def _fsync_dir(d: Path):
     except OSError: pass
     finally: os.close(fd)
 
+# %% ../nbs/16_checkpoint.ipynb #b9286125
 def _atomic_write(path, write) -> Path:
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_path(path)
@@ -44,6 +45,7 @@ def atomic_save(obj, path: str | os.PathLike) -> Path:
     "`torch.save(obj)` to `path` so that `path` is either the old file or the complete new one, never partial."
     return _atomic_write(path, lambda f: torch.save(obj, f))
 
+# %% ../nbs/16_checkpoint.ipynb #4e5b8c79
 def atomic_write_text(text: str, path: str | os.PathLike) -> Path:
     "Write `text` to `path` atomically (temp file + fsync + rename)."
     return _atomic_write(path, lambda f: f.write(text.encode()))
@@ -63,6 +65,7 @@ def capture_rng_state(generators: dict[str, torch.Generator] | None = None) -> d
     if generators: st["generators"] = {name: g.get_state() for name, g in generators.items()}
     return st
 
+# %% ../nbs/16_checkpoint.ipynb #60bd198f
 def restore_rng_state(state: dict, generators: dict[str, torch.Generator] | None = None):
     "Restore a `capture_rng_state` snapshot (and the named `generators`); missing parts are left alone."
     if state.get("python") is not None:
@@ -75,7 +78,9 @@ def restore_rng_state(state: dict, generators: dict[str, torch.Generator] | None
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
         n = torch.cuda.device_count()
-        if len(cuda) != n: notice(f"checkpoint has CUDA RNG states for {len(cuda)} devices, this machine has {n}; restoring the first {min(n, len(cuda))}")
+        if len(cuda) != n:
+            notice(f"checkpoint has CUDA RNG states for {len(cuda)} devices, this machine has {n}; restoring the first "
+                   f"{min(n, len(cuda))}")
         for i, s in enumerate(cuda[:n]): torch.cuda.set_rng_state(s.cpu(), i)
     for name, g in (generators or {}).items():
         saved = state.get("generators", {}).get(name)
@@ -104,7 +109,8 @@ class CheckpointManager:
     def __init__(self, ckpt_dir: str | os.PathLike, interval: int = 100, keep_last: int = 2, keep_best: bool = True,
                  clean_temp: bool = True):
         if int(interval) < 1: raise ValueError(f"interval must be >= 1, got {interval}")
-        if int(keep_last) < 1: raise ValueError(f"keep_last must be >= 1 (the checkpoint to resume from), got {keep_last}")
+        if int(keep_last) < 1:
+            raise ValueError(f"keep_last must be >= 1 (the checkpoint to resume from), got {keep_last}")
         self.dir = Path(ckpt_dir); self.dir.mkdir(parents=True, exist_ok=True)
         self.interval, self.keep_last, self.keep_best = int(interval), int(keep_last), bool(keep_best)
         self.best_val_loss, self.best_step = math.inf, None
@@ -145,6 +151,7 @@ def _read_index(self: CheckpointManager):
     self.best_val_loss = _fnum(idx.get("best_val_loss")) if idx.get("best_val_loss") is not None else math.inf
     self.best_step = idx.get("best_step")
 
+# %% ../nbs/16_checkpoint.ipynb #3a78a508
 @patch
 def _scan(self: CheckpointManager):
     on_disk = {p.name for p in self.dir.glob("*.pt")}
@@ -154,9 +161,12 @@ def _scan(self: CheckpointManager):
         if name in self.entries or name == BEST_NAME: continue
         m, t = _STEP_RE.match(name), _TAGGED_RE.match(name)
         if m: self.entries[name] = dict(file=name, step=int(m.group(1)), val_loss=None, tag=None, size=None, time=None)
-        elif t: self.entries[name] = dict(file=name, step=int(t.group(2)), val_loss=None, tag=t.group(1), size=None, time=None)
+        elif t:
+            self.entries[name] = dict(file=name, step=int(t.group(2)), val_loss=None, tag=t.group(1), size=None,
+                                      time=None)
     if self.best is not None and BEST_NAME not in on_disk: self.best = None
 
+# %% ../nbs/16_checkpoint.ipynb #068543a7
 @patch
 def _write_index(self: CheckpointManager):
     enc = lambda e: {**e, "val_loss": _jnum(e.get("val_loss"))}
@@ -169,6 +179,7 @@ def _write_index(self: CheckpointManager):
            "checkpoints": [enc(e) for e in sorted(self.entries.values(), key=lambda e: (e["step"], e["tag"] or ""))]}
     atomic_write_text(json.dumps(idx, indent=1), self.index_path)
 
+# %% ../nbs/16_checkpoint.ipynb #5fc5eece
 @patch
 def regular(self: CheckpointManager) -> list[dict]:
     "Regular (untagged) checkpoint entries, oldest first."
@@ -204,8 +215,10 @@ def _link_or_copy(src: Path, dst: Path):
         tmp.unlink(missing_ok=True); raise
     _fsync_dir(dst.parent)
 
+# %% ../nbs/16_checkpoint.ipynb #ac6e47fd
 @patch
-def save(self: CheckpointManager, step: int, state: dict, val_loss: float | None = None, tag: str | None = None) -> Path:
+def save(self: CheckpointManager, step: int, state: dict, val_loss: float | None = None,
+         tag: str | None = None) -> Path:
     "Save `state` for `step`; update `best.pt` when `val_loss` improves; rotate; returns the checkpoint's path."
     step = int(step)
     if tag is not None and not re.fullmatch(r"[A-Za-z0-9-]+", str(tag)):
@@ -237,12 +250,14 @@ def load(self: CheckpointManager, path: str | os.PathLike, map_location="cpu") -
     e = self.best if path.name == BEST_NAME else self.entries.get(path.name)
     size = path.stat().st_size
     if e and e.get("size") is not None and e["size"] != size:
-        raise CorruptCheckpoint(f"{path}: size {size} bytes but the index recorded {e['size']} (truncated or overwritten)")
+        raise CorruptCheckpoint(f"{path}: size {size} bytes but the index recorded {e['size']} (truncated or "
+                                "overwritten)")
     try: state = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as err: raise CorruptCheckpoint(f"{path}: cannot be loaded ({type(err).__name__}: {err})") from err
     if not isinstance(state, dict): raise CorruptCheckpoint(f"{path}: expected a dict, got {type(state).__name__}")
     return state
 
+# %% ../nbs/16_checkpoint.ipynb #bb64e1aa
 @patch
 def _candidates(self: CheckpointManager) -> list[Path]:
     self._scan()
@@ -252,7 +267,8 @@ def _candidates(self: CheckpointManager) -> list[Path]:
 
 @patch
 def load_latest(self: CheckpointManager, map_location="cpu", with_info: bool = False):
-    "(state, path) of the newest readable checkpoint, else (None, None); `with_info=True` adds {'skipped': [(path, why)]}."
+    """(state, path) of the newest readable checkpoint, else (None, None); `with_info=True` adds {'skipped': [(path,
+    why)]}."""
     self.skipped = []
     for path in self._candidates():
         try: state = self.load(path, map_location=map_location)

@@ -100,11 +100,14 @@ class TrainConfig:
 
 
     def __init__(self, **keys):
-        "Every key by keyword (the others: their defaults); the regime as `regime=` or, as saved configs spell it, `REGIME_KEYS`."
+        """Every key by keyword (the others: their defaults); the regime as `regime=` or, as saved configs spell it,
+        `REGIME_KEYS`."""
         keys, names = fold_regime(keys, "TrainConfig()"), [f.name for f in fields(self)]
-        if any(k not in names for k in keys): check_keys(keys, "TrainConfig()")    # unknown keys: ConfigError, with suggestions
+        # unknown keys: ConfigError, with suggestions
+        if any(k not in names for k in keys): check_keys(keys, "TrainConfig()")
         for f in fields(self):
-            setattr(self, f.name, keys[f.name] if f.name in keys else f.default_factory() if f.default is MISSING else f.default)
+            setattr(self, f.name, keys[f.name] if f.name in keys else f.default_factory() if f.default is MISSING
+                    else f.default)
         self.validate()
         if self.lr_scale is not None and self.lr_scale == self.regime.lr_scale: self.lr_scale = None   # its own rate
 
@@ -119,10 +122,12 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        "Tokens per optimizer step of one process (one rank); a `torchrun` job of N ranks trains N times as many (`Trainer.tokens_per_step`)."
+        """Tokens per optimizer step of one process (one rank); a `torchrun` job of N ranks trains N times as many
+        (`Trainer.tokens_per_step`)."""
         return self.batch_size * self.grad_accum * self.block_size
 
-    # the regime's parts, read-only (set `regime`): where the weights live, the landing, the base optimizer, the residual
+    # the regime's parts, read-only (set `regime`): where the weights live, the landing, the base optimizer,
+    # the residual
     master_weights = property(lambda self: self.regime.master_weights)
     weight_update = property(lambda self: self.regime.landing)
     optimizer = property(lambda self: self.regime.optimizer)
@@ -145,7 +150,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> TrainConfig:
-        "Build from a dict (renamed keys mapped, see `RENAMED_KEYS`; `REGIME_KEYS` folded into `regime`); unknown keys raise `ConfigError`."
+        """Build from a dict (renamed keys mapped, see `RENAMED_KEYS`; `REGIME_KEYS` folded into `regime`); unknown
+        keys raise `ConfigError`."""
         d = renamed_keys(d, source)
         check_keys(d, source)
         return cls(**fold_regime(d, source))
@@ -167,9 +173,10 @@ _CHOICES = {
 }
 # key -> (low, high, low_inclusive, high_inclusive); None = unbounded
 _RANGES = {
-    **{k: (1, None, True, True) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "keep_last",
-        "grad_accum", "max_steps", "block_size_q", "amax_history_len", "checkpoint_interval", "eval_interval",
-        "eval_iters", "nan_patience", "divergence_patience", "dead_neuron_window", "log_interval", "lr_decay_steps")},
+    **{k: (1, None, True, True) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size",
+        "keep_last", "grad_accum", "max_steps", "block_size_q", "amax_history_len", "checkpoint_interval",
+        "eval_interval", "eval_iters", "nan_patience", "divergence_patience", "dead_neuron_window", "log_interval",
+        "lr_decay_steps")},
     **{k: (0, None, True, True) for k in ("warmup_steps", "seed", "margin", "min_lr", "weight_decay",
         "grad_clip", "dead_neuron_threshold", "data_seed")},
     "lr": (0, None, False, True), "lr_scale": (0, None, False, True),
@@ -177,14 +184,18 @@ _RANGES = {
     "beta1": (0, 1, True, False), "beta2": (0, 1, True, False),
     "bit_stall_threshold": (0, 1, True, True), "overflow_threshold": (0, 1, True, True),
 }
+
+# %% ../nbs/05_config.ipynb #559829ee
 _NONE_WORDS = ("none", "null", "~")
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
+# %% ../nbs/05_config.ipynb #f0a09cf5
 def _field_types() -> dict:
     hints = typing.get_type_hints(TrainConfig)
     return {f.name: hints[f.name] for f in fields(TrainConfig)}
 
+# %% ../nbs/05_config.ipynb #63023524
 def _unwrap_optional(tp):
     "(base type, is_optional) for `X | None` (a union without None, `bool | str`: its first type, not optional)."
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
@@ -206,7 +217,8 @@ def _coerce(key: str, value, tp):
     if base is bool and str in typing.get_args(tp): return _switch(value)
     if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS)): return None
     if value is None: raise ConfigError(f"{key} must be a {base.__name__}, got None")
-    bad = ConfigError(f"{key} must be a {base.__name__}{' or None' if optional else ''}, got {value!r} ({type(value).__name__})")
+    bad = ConfigError(f"{key} must be a {base.__name__}{' or None' if optional else ''}, got {value!r} "
+                      f"({type(value).__name__})")
     if base is bool:
         if isinstance(value, bool): return value
         if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE: return value.strip().lower() in _TRUE
@@ -245,6 +257,7 @@ def _check_format(key: str, name) -> str | None:
     except ValueError as e: return f"{key}={name!r}: {e}"
     return None
 
+# %% ../nbs/05_config.ipynb #fda59b30
 def _check_range(key, v, lo, hi, lo_inc, hi_inc) -> str | None:
     ok = (lo is None or (v >= lo if lo_inc else v > lo)) and (hi is None or (v <= hi if hi_inc else v < hi))
     if ok: return None
@@ -252,15 +265,18 @@ def _check_range(key, v, lo, hi, lo_inc, hi_inc) -> str | None:
     right = "inf)" if hi is None else f"{hi}{']' if hi_inc else ')'}"
     return f"{key}={v!r} is out of range: must be in {left}, {right}"
 
+# %% ../nbs/05_config.ipynb #6f0ebe44
 BLOCK_FIXED_KEYS = {   # tensor-wise scaling keys that a block recipe fixes itself: key -> what the recipe does instead
     "scaling": "each block's scale comes from that block, per GEMM", "granularity": "a scale per block of the recipe",
     "block_size_q": "the recipe's block (MX 32, NVFP4 16)", "margin": "the recipe's scale rounding sets the headroom",
-    "amax_history_len": "no amax history: each scale is the current block's", "amax_algo": "no amax history: each scale is the current block's"}
+    "amax_history_len": "no amax history: each scale is the current block's",
+    "amax_algo": "no amax history: each scale is the current block's"}
 
 def _check_block_keys(cfg) -> list[str]:
     "One error per `BLOCK_FIXED_KEYS` key set away from its default in a config whose every format is a block recipe."
     from altgrad.block_gemm import is_block_format       # (08 comes after this notebook)
-    fmts = [f for f in [cfg.fmt, *(r[1] for r in cfg.layer_formats if isinstance(r, list) and len(r) == 2)] if f is not None]
+    fmts = [f for f in [cfg.fmt, *(r[1] for r in cfg.layer_formats if isinstance(r, list) and len(r) == 2)]
+            if f is not None]
     if not fmts or not all(is_block_format(f) for f in fmts): return []    # a tensor-wise layer reads these keys
     dflt, names = {f.name: f.default for f in fields(cfg)}, ", ".join(dict.fromkeys(map(str, fmts)))
     return [f"{k}={getattr(cfg, k)!r} has no effect with block recipe {names}: block recipes fix it ({why}); "
@@ -281,7 +297,8 @@ def _validate(cfg: TrainConfig):
     for key, rng in _RANGES.items():
         v = getattr(cfg, key)
         if v is not None and (msg := _check_range(key, v, *rng)): errors.append(msg)
-    if cfg.n_embd % cfg.n_head: errors.append(f"n_embd must be divisible by n_head (n_embd={cfg.n_embd}, n_head={cfg.n_head})")
+    if cfg.n_embd % cfg.n_head:
+        errors.append(f"n_embd must be divisible by n_head (n_embd={cfg.n_embd}, n_head={cfg.n_head})")
     if cfg.min_lr > cfg.lr: errors.append(f"min_lr={cfg.min_lr} must be <= lr={cfg.lr}")
     if not (cfg.compile is False or cfg.compile is True or cfg.compile == "auto"):   # (1 == True: not a mode)
         errors.append(f"compile={cfg.compile!r} is not one of 'off' (false), 'on' (true), 'auto'; "
@@ -292,26 +309,33 @@ def _validate(cfg: TrainConfig):
         if getattr(cfg, key) is not None and (msg := _check_format(key, getattr(cfg, key))): errors.append(msg)
     for i, entry in enumerate(cfg.layer_formats):
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]):
-            errors.append(f"layer_formats[{i}]={entry!r} must be a [pattern, format-or-None] pair with a non-empty pattern"); continue
+            errors.append(f"layer_formats[{i}]={entry!r} must be a [pattern, format-or-None] pair with a non-empty "
+                          "pattern")
+            continue
         if isinstance(entry[1], str) and entry[1].strip().lower() in _NONE_WORDS: entry[1] = None
         if entry[1] is not None and (msg := _check_format(f"layer_formats[{i}] format", entry[1])): errors.append(msg)
-    if not all(isinstance(t, str) for t in cfg.wandb_tags): errors.append(f"wandb_tags must be a list of strings, got {cfg.wandb_tags!r}")
+    if not all(isinstance(t, str) for t in cfg.wandb_tags):
+        errors.append(f"wandb_tags must be a list of strings, got {cfg.wandb_tags!r}")
     if not errors: errors += _check_block_keys(cfg)
     if errors: raise ConfigError("invalid config: " + "; ".join(errors))
 
 # %% ../nbs/05_config.ipynb #e2946298
-REGIME_KEYS = ("master_weights", "weight_update", "optimizer", "residual_dtype")   # the regime as saved configs spell it
-_SPELLED_AFTER = {"amax_algo": ("master_weights",), "regime": ("optimizer",), "lr_scale": ("weight_update", "residual_dtype")}
+# the regime as saved configs spell it
+REGIME_KEYS = ("master_weights", "weight_update", "optimizer", "residual_dtype")
+_SPELLED_AFTER = {"amax_algo": ("master_weights",), "regime": ("optimizer",),
+                  "lr_scale": ("weight_update", "residual_dtype")}
 def regime_keys(rule) -> dict:
     "The regime `rule` (an `UpdateRule`) spelled as `REGIME_KEYS`, as every saved config and checkpoint stores it."
     return dict(master_weights=rule.master_weights, weight_update=rule.landing, optimizer=rule.optimizer,
                 residual_dtype=rule.residual_dtype)
 
+# %% ../nbs/05_config.ipynb #4f82378c
 def _regime_error(value, why: str) -> ValueError:
     names = ", ".join(UPDATE_RULES)
     return ValueError(f"regime={value!r} {why}; valid names: {names}. Fix: use one of these names, "
                       "or pass an altgrad.regimes.UpdateRule (register a new one with altgrad.regimes.register_rule)")
 
+# %% ../nbs/05_config.ipynb #45619245
 def as_rule(value):
     "The `UpdateRule` that `regime=value` names: an `UpdateRule` (or its fields, as saved) or a registered name."
     if isinstance(value, dict):
@@ -329,8 +353,10 @@ def as_rule(value):
     raise _regime_error(value, "is not a registered update regime" if isinstance(value, str) else
                         f"({type(value).__name__}) is neither a registered name nor an UpdateRule")
 
+# %% ../nbs/05_config.ipynb #74b92edc
 def rule_from_keys(keys: dict, lr_scale=None):
-    "The regime that `REGIME_KEYS` values ran: the registered rule they spell, else an unregistered `UpdateRule` 'custom'."
+    """The regime that `REGIME_KEYS` values ran: the registered rule they spell, else an unregistered `UpdateRule`
+    'custom'."""
     try: r = UPDATE_RULES[rule_of({**keys, "lr_scale": lr_scale})]
     except ValueError: r = None
     if r is not None and regime_keys(r) == keys: return r
@@ -339,12 +365,14 @@ def rule_from_keys(keys: dict, lr_scale=None):
     return UpdateRule(name, label, keys["master_weights"], keys["weight_update"], keys["optimizer"], lr,
                         keys["residual_dtype"])
 
+# %% ../nbs/05_config.ipynb #c6fe0506
 def saved_regime(rule, lr_scale=None) -> dict:
     """What a saved config adds to `REGIME_KEYS` so that it reloads as `rule`: nothing where they (with `lr_scale`) read
     back as it, else `regime`: its name (registered) or its fields (unregistered)."""
     if rule_from_keys(regime_keys(rule), lr_scale) == rule: return {}
     return {"regime": rule.name if UPDATE_RULES.get(rule.name) == rule else asdict(rule)}
 
+# %% ../nbs/05_config.ipynb #8e31b957
 def fold_regime(d: dict, source: str = "config") -> dict:
     """`d` with `REGIME_KEYS` folded into its `regime` (they change parts of a given one, else of 'fp32'); a bad
     value of them: ConfigError naming them. A bad `regime` is left for validation to report (with other problems)."""
@@ -358,6 +386,7 @@ def fold_regime(d: dict, source: str = "config") -> dict:
         raise ConfigError(f"invalid config (in {source}): the regime keys {parts} give no valid regime: {e}") from None
     return out
 
+# %% ../nbs/05_config.ipynb #45753238
 def merge_keys(base: dict, top: dict) -> dict:
     """`{**base, **top}`, except that a `regime` in `top` replaces the whole regime of `base`: its `regime`,
     `REGIME_KEYS` and an `lr_scale` that was that regime's own."""
@@ -370,25 +399,30 @@ def merge_keys(base: dict, top: dict) -> dict:
 # %% ../nbs/05_config.ipynb #de19093f
 KEY_DOCS = {   # one line per TrainConfig key: what it means (allowed values are checked by _CHOICES / _RANGES)
     "n_layer": "transformer blocks", "n_head": "attention heads per block", "n_embd": "model width",
-    "block_size": "context length in tokens", "vocab_size": "vocabulary size (GPT-2 BPE 50257, padded to a multiple of 64)",
+    "block_size": "context length in tokens",
+    "vocab_size": "vocabulary size (GPT-2 BPE 50257, padded to a multiple of 64)",
     "dropout": "dropout probability", "bias": "biases in Linear and LayerNorm layers",
     "batch_size": "sequences per micro-batch, per rank (under torchrun each rank draws its own)",
     "grad_accum": "micro-batches per optimizer step; global batch = batch_size x grad_accum x ranks",
     "max_steps": "optimizer steps to train", "lr": "peak learning rate (AdamW units; see lr_scale)",
     "min_lr": "learning rate at the end of the cosine decay", "warmup_steps": "linear warmup steps",
-    "lr_decay_steps": "steps of the cosine decay (None: max_steps)", "weight_decay": "AdamW's decoupled weight decay λ",
+    "lr_decay_steps": "steps of the cosine decay (None: max_steps)",
+    "weight_decay": "AdamW's decoupled weight decay λ",
     "beta1": "first-moment decay (AdamW, Lion)", "beta2": "second-moment decay (AdamW, Lion)",
     "grad_clip": "gradient-norm clip (0: off)",
     "precision": "'auto' (bf16 autocast on CUDA, fp32 on CPU) | 'bf16' | 'fp32'",
     "fmt": "format of the linear layers: an element format or a block recipe (mxfp8, nvfp4...); None: no simulation",
     "fmt_backward": "format of the backward pass (None: same as fmt)",
     "scaling": "'delayed' (amax history) | 'current' (this tensor's amax)",
-    "granularity": "scale per 'tensor' | 'channel' | 'block'", "block_size_q": "elements per scaling block (granularity='block')",
-    "amax_history_len": "steps of amax history (delayed scaling)", "amax_algo": "'max' | 'most_recent' over the amax history",
+    "granularity": "scale per 'tensor' | 'channel' | 'block'",
+    "block_size_q": "elements per scaling block (granularity='block')",
+    "amax_history_len": "steps of amax history (delayed scaling)",
+    "amax_algo": "'max' | 'most_recent' over the amax history",
     "quantize_grads": "also quantize the weight gradients",
     "rounding": "rounding of the GEMM operands W, A, G: 'nearest' | 'stochastic' (training steps only)",
     "margin": "scale margin: amax maps to the format's max / 2**margin",
-    "regime": "update regime: a registered name (altgrad.regimes.UPDATE_RULES: fp32, nearest, stochastic, kahan, eco, madam, lion, ...) "
+    "regime": "update regime: a registered name (altgrad.regimes.UPDATE_RULES: fp32, nearest, stochastic, kahan, eco, "
+              "madam, lion, ...) "
               "or an UpdateRule; the old keys master_weights, weight_update, optimizer, residual_dtype set its parts",
     "lr_scale": "optimizer lr = schedule lr x lr_scale (None: the regime's own, else the optimizer's default, "
                 "optim.default_lr_scale)",
@@ -396,54 +430,71 @@ KEY_DOCS = {   # one line per TrainConfig key: what it means (allowed values are
     "interventions": "grid-aware update interventions on/off",
     "stop_on_nan": "stop at the first non-finite loss instead of after nan_patience steps",
     "shadow": "FP32 shadow model (gradient cosine similarity every step)",
-    "data_dir": "prepared token data (altgrad-prepare)", "out_dir": "run folder (config, metrics, checkpoints, summary)",
+    "data_dir": "prepared token data (altgrad-prepare)",
+    "out_dir": "run folder (config, metrics, checkpoints, summary)",
     "checkpoint_interval": "steps between checkpoints", "keep_last": "periodic checkpoints kept",
-    "keep_best": "also keep the checkpoint of the best validation loss", "resume": "continue the run in out_dir from its last checkpoint",
-    "eval_interval": "steps between validation evaluations", "eval_iters": "validation batches per evaluation (eval_tokens=0)",
+    "keep_best": "also keep the checkpoint of the best validation loss",
+    "resume": "continue the run in out_dir from its last checkpoint",
+    "eval_interval": "steps between validation evaluations",
+    "eval_iters": "validation batches per evaluation (eval_tokens=0)",
     "eval_tokens": "0: eval_iters random batches; N > 0: one fixed validation set of N tokens, the same for every run",
     "nan_patience": "consecutive non-finite steps before the run stops",
     "divergence_patience": "consecutive loss increases before the divergence flag (never stops)",
-    "bit_stall_threshold": "stall rate above which a layer is flagged", "overflow_threshold": "overflow rate above which a layer is flagged",
+    "bit_stall_threshold": "stall rate above which a layer is flagged",
+    "overflow_threshold": "overflow rate above which a layer is flagged",
     "dead_neuron_threshold": "activation magnitude below which a neuron counts as dead",
     "dead_neuron_window": "steps a neuron must stay dead to be counted", "log_interval": "steps between log lines",
     "wandb_project": "W&B project", "wandb_run_name": "W&B run name (None: generated)", "wandb_tags": "W&B tags",
     "wandb_mode": "'auto' (online if logged in, else offline) | 'offline' | 'online' | 'disabled'",
     "seed": "random seed (model init, stochastic rounding; the data order too unless data_seed is set)",
     "data_seed": "seed of the training data order alone (None: seed); separates the data order from the initialisation",
-    "init_from": "a trunk checkpoint (.pt) to branch from: its weights, optimizer state, data stream and step, then this run's update regime",
+    "init_from": "a trunk checkpoint (.pt) to branch from: its weights, optimizer state, data stream and step, then "
+                 "this run's update regime",
     "device": "'auto' | 'cpu' | 'cuda' | 'cuda:N'",
     "compile": "torch.compile the model's forward and backward: off (false) | on (true) | auto (on CUDA only)",
 }
+
+# %% ../nbs/05_config.ipynb #03aebe18
 RENAMED_KEYS = {"rules": "layer_formats"}           # old key -> new key: old config files still load
 KEY_ALIASES = {"learning_rate": "lr", "steps": "max_steps", "num_steps": "max_steps", "iters": "max_steps",
                "format": "fmt", "warmup": "warmup_steps", "batch": "batch_size", "context_length": "block_size",
                "seq_len": "block_size", "n_layers": "n_layer", "num_layers": "n_layer", "n_heads": "n_head",
                "d_model": "n_embd", "hidden_size": "n_embd", "optim": "optimizer", "landing": "weight_update",
                "gradient_accumulation_steps": "grad_accum", "clip": "grad_clip", "wd": "weight_decay"}
+
+# %% ../nbs/05_config.ipynb #5dc5099f
 # keys added after runs were committed, with the default that reproduces what those runs did
 BACKWARD_DEFAULTS = {"eval_tokens": 0, "data_seed": None, "init_from": None}   # what runs before these keys did
 
+# %% ../nbs/05_config.ipynb #0e143893
 _RENAME_NOTED: set = set()                          # old keys already announced in this process
 
 def renamed_keys(d: dict, source: str = "config") -> dict:
-    "`d` with old key names (`RENAMED_KEYS`) mapped to the new ones (one stderr line per old key and process); both -> ConfigError."
+    """`d` with old key names (`RENAMED_KEYS`) mapped to the new ones (one stderr line per old key and process); both
+    -> ConfigError."""
     if not any(k in d for k in RENAMED_KEYS): return d
     d = dict(d)
     for old, new in RENAMED_KEYS.items():
         if old not in d: continue
-        if new in d: raise ConfigError(f"config keys {old!r} and {new!r} both given (in {source}): {old!r} is the old name of {new!r}; keep only {new!r}")
+        if new in d:
+            raise ConfigError(f"config keys {old!r} and {new!r} both given (in {source}): {old!r} is the old name of "
+                              f"{new!r}; keep only {new!r}")
         if old not in _RENAME_NOTED:
-            print(f"[altgrad] config key {old!r} is renamed {new!r} (in {source}; old files still load, this note shows once)", file=sys.stderr)
+            print(f"[altgrad] config key {old!r} is renamed {new!r} (in {source}; old files still load, this note "
+                  "shows once)", file=sys.stderr)
             _RENAME_NOTED.add(old)
         d[new] = d.pop(old)
     return d
 
+# %% ../nbs/05_config.ipynb #730ae4c5
 def missing_keys(saved: dict) -> list[str]:
-    "Keys a saved config (e.g. an old `config.yaml`) lacks whose default may differ from what ran (renames and `BACKWARD_DEFAULTS` excepted)."
+    """Keys a saved config (e.g. an old `config.yaml`) lacks whose default may differ from what ran (renames and
+    `BACKWARD_DEFAULTS` excepted)."""
     have = {RENAMED_KEYS.get(k, k) for k in saved}
     if "regime" in have: have |= set(REGIME_KEYS)                        # the regime in one key: all of its parts
     return [k for k in TrainConfig().to_dict() if k not in have and k not in BACKWARD_DEFAULTS]
 
+# %% ../nbs/05_config.ipynb #f090689a
 def config_keys_help() -> str:
     "Every config key with its default and its one-line meaning (the key list of `altgrad-train --help`)."
     cfg, rows = TrainConfig(), []
@@ -451,19 +502,22 @@ def config_keys_help() -> str:
         v = getattr(cfg, f.name)
         rows.append((f"{f.name}={v.name if f.name == 'regime' else v!r}".replace("'", ""), KEY_DOCS[f.name]))
     w = max(len(a) for a, _ in rows)
-    return "config keys with their defaults (a preset overrides some; key=value on the command line, key: value in YAML):\n" + \
+    return ("config keys with their defaults (a preset overrides some; key=value on the command line, "
+            "key: value in YAML):\n") + \
         "\n".join(f"  {a:<{w}}  {b}" for a, b in rows)
 
 # %% ../nbs/05_config.ipynb #0684a9a2
 def check_keys(d: dict, source: str = "config"):
-    "Raise `ConfigError` for keys of `d` that are not `TrainConfig` fields, suggesting the nearest (`KEY_ALIASES`, then `difflib`)."
+    """Raise `ConfigError` for keys of `d` that are not `TrainConfig` fields, suggesting the nearest (`KEY_ALIASES`,
+    then `difflib`)."""
     valid = [f.name for f in fields(TrainConfig)] + list(REGIME_KEYS)      # (the regime's old keys are valid input)
     bad = [k for k in d if k not in valid]
     if not bad: return
     msgs = []
     for k in bad:
         close = [KEY_ALIASES[k]] if k in KEY_ALIASES else difflib.get_close_matches(str(k), valid, n=3, cutoff=0.6)
-        msgs.append(f"unknown config key {k!r} (in {source})" + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ""))
+        msgs.append(f"unknown config key {k!r} (in {source})"
+                    + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ""))
     raise ConfigError("; ".join(msgs))
 
 # %% ../nbs/05_config.ipynb #8a23b38f
@@ -477,9 +531,9 @@ PRESETS: dict[str, dict] = {
     "smoke": dict(n_layer=2, n_head=2, n_embd=64, block_size=32, dropout=0.0, batch_size=4, grad_accum=1,
                   max_steps=20, lr=1e-3, min_lr=1e-4, warmup_steps=2, eval_interval=10, eval_iters=2,
                   checkpoint_interval=10, precision="auto"),
-    "study": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=4096, dropout=0.0, batch_size=8, grad_accum=1,
-                  max_steps=400, lr=3e-3, min_lr=3e-4, warmup_steps=40, eval_interval=100, eval_tokens=32768,
-                  checkpoint_interval=100, shadow=False, precision="auto"),
+    "study": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=4096, dropout=0.0, batch_size=8,
+                  grad_accum=1, max_steps=400, lr=3e-3, min_lr=3e-4, warmup_steps=40, eval_interval=100,
+                  eval_tokens=32768, checkpoint_interval=100, shadow=False, precision="auto"),
 }
 
 def preset_path(name: str) -> Path:
@@ -492,9 +546,11 @@ def _read_yaml(path: Path) -> dict:
     try: data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e: raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if data is None: return {}
-    if not isinstance(data, dict): raise ConfigError(f"{path}: a config file must be a mapping of key: value, got {type(data).__name__}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config file must be a mapping of key: value, got {type(data).__name__}")
     return data
 
+# %% ../nbs/05_config.ipynb #06bbc53d
 def _resolve(spec, _seen=()) -> dict:
     "Merged dict of a preset name or YAML path (following `preset:` chains)."
     if isinstance(spec, str) and spec in PRESETS: return dict(PRESETS[spec])
@@ -512,6 +568,7 @@ def _resolve(spec, _seen=()) -> dict:
     if not (isinstance(base, str) and base in PRESETS): base = str(p.parent / str(base))
     return merge_keys(_resolve(base, _seen + (p.resolve(),)), data)
 
+# %% ../nbs/05_config.ipynb #b49291ed
 def load_config(path_or_preset: str | os.PathLike | None = None, **overrides) -> TrainConfig:
     "Config from a preset name or YAML file (optionally `preset: NAME` + overrides), then keyword `overrides`."
     d = {} if path_or_preset is None else _resolve(path_or_preset)
@@ -535,6 +592,7 @@ def parse_value(key: str, text: str):
         return _coerce(key, value, tp)
     return _coerce(key, text, tp)
 
+# %% ../nbs/05_config.ipynb #122483ae
 def parse_overrides(items) -> dict:
     "`['key=value', ...]` -> `{key: typed value}` (unknown keys raise `ConfigError` with suggestions)."
     out = {}
@@ -565,6 +623,7 @@ def resolve_device(cfg: TrainConfig) -> str:
         raise ConfigError(f"device={cfg.device!r} but CUDA is not available; use device=auto or device=cpu")
     return cfg.device
 
+# %% ../nbs/05_config.ipynb #5a8a9916
 def autocast_dtype(cfg: TrainConfig, device: str | torch.device) -> torch.dtype | None:
     "dtype for `torch.autocast` on `device` (None = run in FP32, no autocast)."
     dev = torch.device(device).type
@@ -576,7 +635,8 @@ def autocast_dtype(cfg: TrainConfig, device: str | torch.device) -> torch.dtype 
 RESEARCH_KEYS = ("run_order", "expectations", "retries")
 
 def research_choices(path=None) -> dict:
-    "The research choices of `altgrad/research.yaml` (or `path`): `run_order`, `expectations`, `retries` (see the file)."
+    """The research choices of `altgrad/research.yaml` (or `path`): `run_order`, `expectations`, `retries` (see the
+    file)."""
     import altgrad
     p = Path(path) if path else Path(altgrad.__file__).parent / "research.yaml"
     d = _read_yaml(p)
@@ -585,8 +645,10 @@ def research_choices(path=None) -> dict:
     if miss: raise ConfigError(f"{p} lacks {', '.join(miss)}: add them (see altgrad/research.yaml in the package)")
     bad = [str(e) for e in d["expectations"] if not (isinstance(e, dict) and set(e) == {"fmt", "claim"})]
     if bad: raise ConfigError(f"{p}: each expectation is {{fmt: FORMAT, claim: CLAIM}}, got {', '.join(bad)}")
-    bad = [f for f, r in (d["retries"] or {}).items() if not (isinstance(r, dict) and set(r) == {"tag", "layer_formats"})]
+    bad = [f for f, r in (d["retries"] or {}).items()
+           if not (isinstance(r, dict) and set(r) == {"tag", "layer_formats"})]
     if bad: raise ConfigError(f"{p}: retries of {', '.join(bad)} need exactly `tag` and `layer_formats`")
     for f in [*d["run_order"], *(e["fmt"] for e in d["expectations"]), *(d["retries"] or {})]:
         if (msg := _check_format(f"{p.name} format", f)): raise ConfigError(f"{p}: {msg}")
-    return dict(run_order=list(d["run_order"]), expectations=[dict(e) for e in d["expectations"]], retries=dict(d["retries"] or {}))
+    return dict(run_order=list(d["run_order"]), expectations=[dict(e) for e in d["expectations"]],
+                retries=dict(d["retries"] or {}))

@@ -24,12 +24,15 @@ ENV_SHARED = "ALTGRAD_SHARED_DATA"
 def _is_shared(p: Path) -> bool:
     return p.is_dir() and ((p/"eurlex").is_dir() or (p/"tiktoken_cache").is_dir())
 
+# %% ../nbs/10_data.ipynb #8750a440
 def shared_data_dir(start: str | Path | None = None) -> Path | None:
-    "The offline data folder: `$ALTGRAD_SHARED_DATA`, else the first `shared/data` at or beside an ancestor of `start` (default: cwd)."
+    """The offline data folder: `$ALTGRAD_SHARED_DATA`, else the first `shared/data` at or beside an ancestor of
+    `start` (default: cwd)."""
     if env := os.environ.get(ENV_SHARED):
         p = Path(env).expanduser()
         if not p.is_dir():
-            raise FileNotFoundError(f"{ENV_SHARED}={env!r} is not a folder: point it at the folder holding eurlex/ and tiktoken_cache/, or unset it")
+            raise FileNotFoundError(f"{ENV_SHARED}={env!r} is not a folder: point it at the folder holding eurlex/ and "
+                                    "tiktoken_cache/, or unset it")
         return p.resolve()
     here = Path(start or Path.cwd()).resolve()
     for a in (here, *here.parents):
@@ -42,8 +45,10 @@ TOKENIZER = "gpt2"
 GPT2_BPE_FILES = {"6d1cbeee0f20b3d9449abfede4726ed8212e3aee": "vocab.bpe",
                   "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6": "encoder.json"}
 
+# %% ../nbs/10_data.ipynb #96413050
 def get_tokenizer(near: str | Path | None = None):
-    "tiktoken's GPT-2 BPE; uses `shared/data/tiktoken_cache` (or a `tiktoken_cache` beside `near`) when `TIKTOKEN_CACHE_DIR` is unset."
+    """tiktoken's GPT-2 BPE; uses `shared/data/tiktoken_cache` (or a `tiktoken_cache` beside `near`) when
+    `TIKTOKEN_CACHE_DIR` is unset."""
     import tiktoken
     if "TIKTOKEN_CACHE_DIR" not in os.environ:
         sd = shared_data_dir()
@@ -54,8 +59,8 @@ def get_tokenizer(near: str | Path | None = None):
     except Exception as e:
         files = " and ".join(f"{k} (OpenAI's gpt-2 {v})" for k, v in GPT2_BPE_FILES.items())
         raise RuntimeError(
-            f"could not load the tiktoken {TOKENIZER!r} encoding ({type(e).__name__}: {e}). Without network access, set "
-            f"TIKTOKEN_CACHE_DIR to a folder holding the two GPT-2 BPE files {files}, e.g. "
+            f"could not load the tiktoken {TOKENIZER!r} encoding ({type(e).__name__}: {e}). Without network access, "
+            f"set TIKTOKEN_CACHE_DIR to a folder holding the two GPT-2 BPE files {files}, e.g. "
             f"`export TIKTOKEN_CACHE_DIR=../shared/data/tiktoken_cache` from the repo root "
             f"(currently TIKTOKEN_CACHE_DIR={os.environ.get('TIKTOKEN_CACHE_DIR')!r})") from e
 
@@ -70,6 +75,7 @@ def split_name(name: str) -> str | None:
     m = _SPLIT_RE.match(name.lower())
     return _SPLIT_ALIASES[m.group(1)] if m else None
 
+# %% ../nbs/10_data.ipynb #28a8fac6
 def prepare_cmd(out="DIR") -> str:
     "The shell command that prepares data into `out`."
     return (f"`altgrad-prepare --source ../shared/data/eurlex --out {out}` (from the repo root), "
@@ -77,7 +83,8 @@ def prepare_cmd(out="DIR") -> str:
 
 # %% ../nbs/10_data.ipynb #888a875c
 def resolve_source(source: str | Path | None = None) -> Path | str:
-    "A local folder (as a resolved `Path`) or a Hub id `name[:config]` (as `str`). Default: `shared/data/eurlex`, else the Hub."
+    """A local folder (as a resolved `Path`) or a Hub id `name[:config]` (as `str`). Default: `shared/data/eurlex`,
+    else the Hub."""
     if source is None:
         sd = shared_data_dir()
         return (sd/"eurlex").resolve() if sd and (sd/"eurlex").is_dir() else HUB_DEFAULT
@@ -86,8 +93,9 @@ def resolve_source(source: str | Path | None = None) -> Path | str:
     s = str(source)
     if isinstance(source, Path) or p.exists() or s.startswith((".", "/", "~")) or s.split(":")[0].count("/") > 1:
         raise FileNotFoundError(
-            f"source {s!r} is not a folder. Give a folder of *.jsonl / *.parquet files with a 'text' field (split from the "
-            f"file name: train, validation/val/dev, test) or a HuggingFace Hub id 'name[:config]'. To prepare: {prepare_cmd()}")
+            f"source {s!r} is not a folder. Give a folder of *.jsonl / *.parquet files with a 'text' field (split from "
+            "the file name: train, validation/val/dev, test) or a HuggingFace Hub id 'name[:config]'. To prepare: "
+            f"{prepare_cmd()}")
     return s
 
 # %% ../nbs/10_data.ipynb #6884be3c
@@ -97,8 +105,10 @@ def _text(x, where: str) -> str:
     "A record's English text: a string, or the 'en' entry of a {language: text} dict."
     if isinstance(x, str): return x
     if isinstance(x, dict) and isinstance(x.get("en"), str): return x["en"]
-    raise TypeError(f"{where}: 'text' must be a string or a {{language: text}} dict with an 'en' entry, got {type(x).__name__}")
+    raise TypeError(f"{where}: 'text' must be a string or a {{language: text}} dict with an 'en' entry, got "
+                    f"{type(x).__name__}")
 
+# %% ../nbs/10_data.ipynb #f086f9d6
 def _jsonl_part(f: Path) -> Part:
     with open(f, "rb") as fh: n = sum(1 for line in fh if line.strip())
     def texts():
@@ -110,15 +120,18 @@ def _jsonl_part(f: Path) -> Part:
                 yield _text(rec["text"], f"{f}:{i}")
     return n, texts
 
+# %% ../nbs/10_data.ipynb #d7b5290d
 def _parquet_part(f: Path) -> Part:
     import pyarrow.parquet as pq
     pf = pq.ParquetFile(f)
-    if "text" not in pf.schema_arrow.names: raise KeyError(f"{f} has no 'text' column (columns: {pf.schema_arrow.names})")
+    if "text" not in pf.schema_arrow.names:
+        raise KeyError(f"{f} has no 'text' column (columns: {pf.schema_arrow.names})")
     def texts():
         for b in pq.ParquetFile(f).iter_batches(columns=["text"], batch_size=1024):
             yield from (_text(x, str(f)) for x in b.column(0).to_pylist())
     return pf.metadata.num_rows, texts
 
+# %% ../nbs/10_data.ipynb #1ca51ff5
 def local_plan(folder: Path) -> dict[str, list[Part]]:
     "Split → parts for a folder of *.jsonl / *.parquet files."
     plan = {}
@@ -127,8 +140,8 @@ def local_plan(folder: Path) -> dict[str, list[Part]]:
         s = split_name(f.name) or split_name(f.parent.name)
         if s: plan.setdefault(s, []).append((_jsonl_part if f.suffix == ".jsonl" else _parquet_part)(f))
     if "train" not in plan:
-        raise FileNotFoundError(f"no train split in {folder}: expected files like train.jsonl / validation.jsonl / test.jsonl "
-                                f"(or .parquet) with a 'text' field. To prepare: {prepare_cmd()}")
+        raise FileNotFoundError(f"no train split in {folder}: expected files like train.jsonl / validation.jsonl / "
+                                f"test.jsonl (or .parquet) with a 'text' field. To prepare: {prepare_cmd()}")
     return plan
 
 # %% ../nbs/10_data.ipynb #6d1b9ef5
@@ -143,11 +156,13 @@ def hub_plan(source: str) -> dict[str, list[Part]]:
     plan = {}
     for split, ds in dd.items():
         if (s := split_name(split)) is None: continue
-        if "text" not in ds.column_names: raise KeyError(f"{source} split {split!r} has no 'text' column (columns: {ds.column_names})")
+        if "text" not in ds.column_names:
+            raise KeyError(f"{source} split {split!r} has no 'text' column (columns: {ds.column_names})")
         def texts(ds=ds, where=f"{source}[{split}]"):
             for b in ds.select_columns(["text"]).iter(batch_size=1024): yield from (_text(x, where) for x in b["text"])
         plan.setdefault(s, []).append((len(ds), texts))
-    if "train" not in plan: raise FileNotFoundError(f"the Hub dataset {source!r} has no train split (splits: {list(dd)})")
+    if "train" not in plan:
+        raise FileNotFoundError(f"the Hub dataset {source!r} has no train split (splits: {list(dd)})")
     return plan
 
 # %% ../nbs/10_data.ipynb #028b3030
@@ -159,6 +174,7 @@ def _sha256(path: Path) -> str:
         for b in iter(lambda: f.read(1 << 22), b""): h.update(b)
     return h.hexdigest()
 
+# %% ../nbs/10_data.ipynb #370dda70
 def _write_split(enc, texts: Iterator[str], path: Path, num_threads: int, bar, chunk: int = 512) -> dict:
     "Tokenize `texts` (+eot each) into `path` as uint16; return counts and sha256."
     h, docs, toks, eot = hashlib.sha256(), 0, 0, np.array([enc.eot_token], np.uint16)
@@ -168,16 +184,19 @@ def _write_split(enc, texts: Iterator[str], path: Path, num_threads: int, bar, c
             arr = np.concatenate([a for d in ids for a in (np.asarray(d, np.uint16), eot)])
             f.write(arr.tobytes()); h.update(arr.tobytes())
             docs += len(batch); toks += len(arr); bar.update(len(batch))
-    return {"file": path.name.removeprefix(".").removesuffix(".tmp"), "docs": docs, "tokens": toks, "sha256": h.hexdigest()}
+    return {"file": path.name.removeprefix(".").removesuffix(".tmp"), "docs": docs, "tokens": toks,
+            "sha256": h.hexdigest()}
 
 # %% ../nbs/10_data.ipynb #e10908d1
 def load_meta(data_dir: str | Path) -> dict:
     "The `meta.json` of a prepared data folder."
     f = Path(data_dir)/"meta.json"
     if not f.is_file():
-        raise FileNotFoundError(f"{f} not found: {data_dir} holds no prepared data. Create it with {prepare_cmd(data_dir)}")
+        raise FileNotFoundError(f"{f} not found: {data_dir} holds no prepared data. Create it with "
+                                f"{prepare_cmd(data_dir)}")
     return json.loads(f.read_text())
 
+# %% ../nbs/10_data.ipynb #878e77f0
 def _prepared(out: Path, want: dict, verify: bool) -> dict | None:
     "The existing meta if `out` holds complete data prepared with the same arguments, else None."
     try: meta = load_meta(out)
@@ -191,18 +210,22 @@ def _prepared(out: Path, want: dict, verify: bool) -> dict | None:
 
 # %% ../nbs/10_data.ipynb #6667cfca
 def prepare_eurlex(out_dir: str | Path, source: str | Path | None = None, max_docs: int | None = None,
-                   num_threads: int | None = None, force: bool = False, verify: bool = False, progress: bool = True) -> dict:
-    "Tokenize `source` into `out_dir`/{train,val,test}.bin (uint16) + meta.json; a no-op if already prepared identically."
+                   num_threads: int | None = None, force: bool = False, verify: bool = False,
+                   progress: bool = True) -> dict:
+    """Tokenize `source` into `out_dir`/{train,val,test}.bin (uint16) + meta.json; a no-op if already prepared
+    identically."""
     if max_docs is not None and (not isinstance(max_docs, int) or max_docs < 1):
         raise ValueError(f"max_docs must be a positive int or None, got {max_docs!r}")
     out, src = Path(out_dir), resolve_source(source)
     want = {"version": META_VERSION, "source": str(src), "max_docs": max_docs}
     if not force and (meta := _prepared(out, want, verify)): return {**meta, "cached": True}
     out.mkdir(parents=True, exist_ok=True)
-    with _folder_lock(out):     # processes sharing the folder (study shards): one tokenizes, the others wait and reuse it
+    # processes sharing the folder (study shards): one tokenizes, the others wait and reuse it
+    with _folder_lock(out):
         if not force and (meta := _prepared(out, want, verify)): return {**meta, "cached": True}
         return _tokenize_into(out, src, want, max_docs, num_threads, progress)
 
+# %% ../nbs/10_data.ipynb #216b2f39
 @contextlib.contextmanager
 def _folder_lock(out: Path):
     "An exclusive advisory lock on `out/.prepare.lock` (fcntl; a no-op where fcntl does not exist)."
@@ -213,17 +236,20 @@ def _folder_lock(out: Path):
         try: yield
         finally: fcntl.flock(f, fcntl.LOCK_UN)
 
+# %% ../nbs/10_data.ipynb #ae0aeea8
 def _tokenize_into(out: Path, src, want: dict, max_docs: int | None, num_threads: int | None, progress: bool) -> dict:
     plan = local_plan(src) if isinstance(src, Path) else hub_plan(src)
     enc, t0 = get_tokenizer(near=src if isinstance(src, Path) else None), time.perf_counter()
-    num_threads = num_threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    num_threads = num_threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                  else os.cpu_count() or 1)
     splits = [s for s in SPLITS if s in plan]
     counts = {s: min(sum(n for n, _ in plan[s]), max_docs or 10**18) for s in splits}
     out.mkdir(parents=True, exist_ok=True)
     (out/"meta.json").unlink(missing_ok=True)  # invalidate first: from here on the folder is "not prepared"
     tmps, stats = {s: out/f".{s}.bin.tmp" for s in splits}, {}
     try:
-        with tqdm(total=sum(counts.values()), unit="doc", desc=f"tokenizing {src.name if isinstance(src, Path) else src}", disable=not progress) as bar:
+        with tqdm(total=sum(counts.values()), unit="doc",
+                  desc=f"tokenizing {src.name if isinstance(src, Path) else src}", disable=not progress) as bar:
             for s in splits:
                 bar.set_postfix(split=s)
                 texts = itertools.islice(itertools.chain.from_iterable(f() for _, f in plan[s]), counts[s])
@@ -234,8 +260,9 @@ def _tokenize_into(out: Path, src, want: dict, max_docs: int | None, num_threads
     for s in SPLITS:
         if s not in splits: (out/f"{s}.bin").unlink(missing_ok=True)
     secs = time.perf_counter() - t0
-    meta = {**want, "tokenizer": {"name": TOKENIZER, "n_vocab": enc.n_vocab, "eot_token": enc.eot_token}, "dtype": "uint16",
-            "splits": stats, "seconds": round(secs, 3), "tokens_per_s": round(sum(v["tokens"] for v in stats.values()) / secs)}
+    meta = {**want, "tokenizer": {"name": TOKENIZER, "n_vocab": enc.n_vocab, "eot_token": enc.eot_token},
+            "dtype": "uint16", "splits": stats, "seconds": round(secs, 3),
+            "tokens_per_s": round(sum(v["tokens"] for v in stats.values()) / secs)}
     (out/".meta.json.tmp").write_text(json.dumps(meta, indent=1))
     os.replace(out/".meta.json.tmp", out/"meta.json")
     return {**meta, "cached": False}
@@ -248,13 +275,17 @@ def open_split(data_dir: str | Path, split: str) -> np.memmap:
     info = meta["splits"][s]
     f = Path(data_dir)/info["file"]
     if not f.is_file():
-        raise FileNotFoundError(f"{f} not found although meta.json lists it. Re-create it with {prepare_cmd(data_dir)} plus --force")
+        raise FileNotFoundError(f"{f} not found although meta.json lists it. Re-create it with {prepare_cmd(data_dir)} "
+                                "plus --force")
     if f.stat().st_size != 2*info["tokens"]:
-        raise ValueError(f"{f} has {f.stat().st_size} bytes, meta.json says {2*info['tokens']}. Re-create it with {prepare_cmd(data_dir)} plus --force")
+        raise ValueError(f"{f} has {f.stat().st_size} bytes, meta.json says {2*info['tokens']}. Re-create it with "
+                         f"{prepare_cmd(data_dir)} plus --force")
     return np.memmap(f, dtype=np.uint16, mode="r")
 
+# %% ../nbs/10_data.ipynb #3f750080
 class TokenData:
-    "The prepared splits of one folder: `td['train']` is a read-only uint16 memmap of ids `< n_vocab` (vocabulary `vocab`)."
+    """The prepared splits of one folder: `td['train']` is a read-only uint16 memmap of ids `< n_vocab` (vocabulary
+    `vocab`)."""
     def __init__(self, data_dir: str | Path):
         self.dir = Path(data_dir); self.meta = load_meta(self.dir); self._maps = {}
     @property
@@ -272,7 +303,9 @@ class TokenData:
     def get_batch(self, split: str, block_size: int, batch_size: int, device="cpu", generator=None):
         "`get_batch` on one split."
         return get_batch(self[split], block_size, batch_size, device, generator)
-    def __repr__(self): return f"TokenData({str(self.dir)!r}, " + ", ".join(f"{s}={v['tokens']:,} tokens" for s, v in self.meta["splits"].items()) + ")"
+    def __repr__(self):
+        return (f"TokenData({str(self.dir)!r}, "
+                + ", ".join(f"{s}={v['tokens']:,} tokens" for s, v in self.meta["splits"].items()) + ")")
 
 # %% ../nbs/10_data.ipynb #b6799ed0
 def batch_starts(n: int, block_size: int, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -280,6 +313,7 @@ def batch_starts(n: int, block_size: int, batch_size: int, generator: torch.Gene
     if n <= block_size: raise ValueError(f"the split has {n} tokens, fewer than block_size + 1 = {block_size + 1}")
     return torch.randint(n - block_size, (batch_size,), generator=generator)
 
+# %% ../nbs/10_data.ipynb #1849ff9c
 def get_batch(data, block_size: int, batch_size: int, device="cpu", generator: torch.Generator | None = None):
     "Random contiguous blocks `(x, y)` of shape (batch_size, block_size), int64, `y` = `x` shifted by one token."
     ix = batch_starts(len(data), block_size, batch_size, generator).numpy()
@@ -297,8 +331,10 @@ def _check_K(K) -> int:
         raise ValueError(f"vocab K must be an int >= 2 (K-1 kept ids + the class 'other'), got {K!r}")
     return int(K)
 
+# %% ../nbs/10_data.ipynb #5dd879e9
 def build_vocab(train, K: int, n_vocab: int) -> dict:
-    "The top-`K` vocabulary of a train split: its `K-1` most frequent ids -> dense ids `0..K-2` (rank order), all else -> `K-1` ('other')."
+    """The top-`K` vocabulary of a train split: its `K-1` most frequent ids -> dense ids `0..K-2` (rank order), all
+    else -> `K-1` ('other')."""
     K = _check_K(K)
     counts = np.bincount(np.asarray(train), minlength=n_vocab)
     if len(counts) > n_vocab: raise ValueError(f"train holds token ids >= n_vocab={n_vocab}; re-prepare with --force")
@@ -312,6 +348,7 @@ def build_vocab(train, K: int, n_vocab: int) -> dict:
                 counts=[*kept.tolist(), total - int(kept.sum())], distinct_train_ids=distinct, train_tokens=total,
                 coverage={"train": float(kept.sum() / total)})
 
+# %% ../nbs/10_data.ipynb #aeb40829
 def remap_table(vocab: dict) -> np.ndarray:
     "uint16 lookup table over all 2**16 ids: GPT-2 id -> dense id (`vocab['other']` outside the vocabulary)."
     t = np.full(2**16, vocab["other"], np.uint16)
@@ -324,11 +361,15 @@ def vocab_dir(base_dir: str | Path, K: int) -> Path:
     b = Path(base_dir)
     return b.with_name(f"{b.name}-top{K}")
 
-def prepare_vocab(base_dir: str | Path, K: int, out_dir: str | Path | None = None, force: bool = False, verify: bool = False) -> dict:
-    "Remap the GPT-2 data of `base_dir` to its top-`K` vocabulary (`build_vocab` on train) in `out_dir` (default `vocab_dir`)."
+# %% ../nbs/10_data.ipynb #72270e2a
+def prepare_vocab(base_dir: str | Path, K: int, out_dir: str | Path | None = None, force: bool = False,
+                  verify: bool = False) -> dict:
+    """Remap the GPT-2 data of `base_dir` to its top-`K` vocabulary (`build_vocab` on train) in `out_dir` (default
+    `vocab_dir`)."""
     K, base = _check_K(K), TokenData(base_dir)
     if "vocab" in base.meta["tokenizer"]:
-        raise ValueError(f"{base_dir} already holds the compact vocabulary {base.vocab!r}; give the folder prepared with the full GPT-2 vocabulary")
+        raise ValueError(f"{base_dir} already holds the compact vocabulary {base.vocab!r}; give the folder prepared "
+                         "with the full GPT-2 vocabulary")
     out = Path(out_dir) if out_dir is not None else vocab_dir(base_dir, K)
     if out.resolve() == base.dir.resolve(): raise ValueError(f"out_dir must differ from base_dir ({base_dir})")
     want = {"version": META_VERSION, "source": base.meta["source"], "max_docs": base.meta.get("max_docs"),
@@ -340,6 +381,7 @@ def prepare_vocab(base_dir: str | Path, K: int, out_dir: str | Path | None = Non
         if not force and (meta := ready()): return {**meta, "cached": True}
         return _remap_into(out, base, K, want)
 
+# %% ../nbs/10_data.ipynb #dcf47b70
 def _remap_into(out: Path, base: TokenData, K: int, want: dict, chunk: int = 1 << 22) -> dict:
     t0, voc = time.perf_counter(), build_vocab(base["train"], K, base.n_vocab)
     table = remap_table(voc)
@@ -350,7 +392,10 @@ def _remap_into(out: Path, base: TokenData, K: int, want: dict, chunk: int = 1 <
             src, h, other = base[s], hashlib.sha256(), 0
             with open(tmps[s], "wb") as f:
                 for i in range(0, len(src), chunk):
-                    a = table[src[i:i + chunk]]; f.write(a.tobytes()); h.update(a.tobytes()); other += int((a == voc["other"]).sum())
+                    a = table[src[i:i + chunk]]
+                    f.write(a.tobytes())
+                    h.update(a.tobytes())
+                    other += int((a == voc["other"]).sum())
             stats[s] = {**base.meta["splits"][s], "file": f"{s}.bin", "sha256": h.hexdigest()}
             voc["coverage"][s] = 1 - other / max(len(src), 1)
         for s in base.splits: os.replace(tmps[s], out/f"{s}.bin")
@@ -359,14 +404,16 @@ def _remap_into(out: Path, base: TokenData, K: int, want: dict, chunk: int = 1 <
     for s in SPLITS:
         if s not in base.splits: (out/f"{s}.bin").unlink(missing_ok=True)
     (out/VOCAB_FILE).write_text(json.dumps({**voc, "base": str(base.dir)}))
-    tok = {**base.meta["tokenizer"], "n_vocab": K, "eot_token": int(table[base.eot_token]), "vocab": f"{TOKENIZER}-top{K}", "mapping": VOCAB_FILE}
-    meta = {**base.meta, **want, "tokenizer": tok, "splits": stats, "coverage": voc["coverage"], "base_dir": str(base.dir),
-            "seconds": round(time.perf_counter() - t0, 3)}
+    tok = {**base.meta["tokenizer"], "n_vocab": K, "eot_token": int(table[base.eot_token]),
+           "vocab": f"{TOKENIZER}-top{K}", "mapping": VOCAB_FILE}
+    meta = {**base.meta, **want, "tokenizer": tok, "splits": stats, "coverage": voc["coverage"],
+            "base_dir": str(base.dir), "seconds": round(time.perf_counter() - t0, 3)}
     meta.pop("tokens_per_s", None)
     (out/".meta.json.tmp").write_text(json.dumps(meta, indent=1))
     os.replace(out/".meta.json.tmp", out/"meta.json")
     return {**meta, "cached": False}
 
+# %% ../nbs/10_data.ipynb #da2da215
 def load_vocab(data_dir: str | Path) -> dict | None:
     "The `vocab.json` of a prepared folder with a compact vocabulary; None for the full GPT-2 vocabulary."
     tok = load_meta(data_dir)["tokenizer"]
@@ -379,21 +426,28 @@ def vocab_info(data_dir: str | Path) -> dict:
 
 # %% ../nbs/10_data.ipynb #ce1e724b
 def data_for_vocab(data_dir: str | Path, vocab_size: int) -> Path:
-    "The prepared folder a model with `vocab_size` classes reads: `data_dir` when its vocabulary fits, else its top-`vocab_size` one."
+    """The prepared folder a model with `vocab_size` classes reads: `data_dir` when its vocabulary fits, else its
+    top-`vocab_size` one."""
     td = TokenData(data_dir)
     if "mapping" not in td.meta["tokenizer"]:                    # the full GPT-2 vocabulary
         if vocab_size >= td.n_vocab: return td.dir
         prepare_vocab(td.dir, vocab_size)
         return vocab_dir(td.dir, vocab_size)
     if vocab_size == td.n_vocab: return td.dir
-    raise ValueError(f"vocab_size={vocab_size} does not match the compact vocabulary {td.vocab!r} of {data_dir} ({td.n_vocab} classes); "
-                     f"use vocab_size={td.n_vocab}, or the full-vocabulary folder {td.meta.get('base_dir')} for another size")
+    raise ValueError(f"vocab_size={vocab_size} does not match the compact vocabulary {td.vocab!r} of {data_dir} "
+                     f"({td.n_vocab} classes); "
+                     f"use vocab_size={td.n_vocab}, or the full-vocabulary folder {td.meta.get('base_dir')} for "
+                     "another size")
 
 # %% ../nbs/10_data.ipynb #4b01d768
 def prepare_cli(argv: list[str] | None = None) -> int:
-    "Console script: `altgrad-prepare --source SOURCE --out DIR [--max-docs N] [--vocab K [--vocab-out DIR2]] [--force]`."
-    p = argparse.ArgumentParser(prog="altgrad-prepare", description="Tokenize EurLex with GPT-2 BPE into uint16 train/val/test .bin files + meta.json.")
-    p.add_argument("--source", default=None, help=f"folder of *.jsonl/*.parquet with a 'text' field, or a Hub id name[:config] "
+    """Console script: `altgrad-prepare --source SOURCE --out DIR [--max-docs N] [--vocab K [--vocab-out DIR2]]
+    [--force]`."""
+    p = argparse.ArgumentParser(prog="altgrad-prepare",
+                                description="Tokenize EurLex with GPT-2 BPE into uint16 train/val/test .bin files + "
+                                            "meta.json.")
+    p.add_argument("--source", default=None,
+                   help=f"folder of *.jsonl/*.parquet with a 'text' field, or a Hub id name[:config] "
                    f"(default: shared/data/eurlex if found, else {HUB_DEFAULT})")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--max-docs", type=int, default=None, help="at most this many documents per split")
@@ -401,19 +455,23 @@ def prepare_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     p.add_argument("--verify", action="store_true", help="also check the sha256 of existing files")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--vocab", type=int, default=None, metavar="K", help="also write the top-K vocabulary of the train split "
-                   "(K-1 most frequent GPT-2 ids + one class 'other') into its own folder; default: full GPT-2 vocabulary only")
+    p.add_argument("--vocab", type=int, default=None, metavar="K",
+                   help="also write the top-K vocabulary of the train split "
+                   "(K-1 most frequent GPT-2 ids + one class 'other') into its own folder; default: full GPT-2 "
+                   "vocabulary only")
     p.add_argument("--vocab-out", default=None, help="folder of the --vocab data (default: OUT-topK beside OUT)")
     a = p.parse_args(argv)
     if a.vocab_out is not None and a.vocab is None: p.error("--vocab-out needs --vocab K")
     try:
         m = prepare_eurlex(a.out, a.source, a.max_docs, a.num_threads, a.force, a.verify, progress=not a.quiet)
         mv = prepare_vocab(a.out, a.vocab, a.vocab_out, a.force, a.verify) if a.vocab is not None else None
-    except (FileNotFoundError, KeyError, TypeError, ValueError, RuntimeError) as e:   # bad source or tokenizer: say how to fix it
+    # bad source or tokenizer: say how to fix it
+    except (FileNotFoundError, KeyError, TypeError, ValueError, RuntimeError) as e:
         print(f"altgrad-prepare: error: {e}", file=sys.stderr); return 2
     parts = ", ".join(f"{s} {v['tokens']:,} tokens ({v['docs']:,} docs)" for s, v in m["splits"].items())
     total = sum(v["tokens"] for v in m["splits"].values())
-    how = "already prepared, nothing to do" if m["cached"] else f"{total:,} tokens in {m['seconds']:.2f} s = {m['tokens_per_s']:,.0f} tokens/s"
+    how = ("already prepared, nothing to do"
+           if m["cached"] else f"{total:,} tokens in {m['seconds']:.2f} s = {m['tokens_per_s']:,.0f} tokens/s")
     print(f"altgrad-prepare: {a.out}: {parts}; {how}")
     if mv is not None:
         cov = ", ".join(f"{s} {c:.1%}" for s, c in mv["coverage"].items())
@@ -424,7 +482,8 @@ def prepare_cli(argv: list[str] | None = None) -> int:
 
 # %% ../nbs/10_data.ipynb #5ba3df5a
 def unigram_baseline(data_dir: str | Path) -> float:
-    "Val cross-entropy (nats/token) of the add-one-smoothed train unigram distribution, over the folder's vocabulary (`TokenData.n_vocab`)."
+    """Val cross-entropy (nats/token) of the add-one-smoothed train unigram distribution, over the folder's vocabulary
+    (`TokenData.n_vocab`)."""
     td = TokenData(data_dir); V = td.n_vocab
     counts = np.bincount(td["train"], minlength=V).astype(np.float64)
     if len(counts) > V: raise ValueError(f"{data_dir}: train holds token ids >= n_vocab={V}; re-prepare with --force")

@@ -50,6 +50,7 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 
+# %% ../nbs/11_model.ipynb #028b3d68
 class MLP(nn.Module):
     "Position-wise feed-forward: c_fc (4x) -> GELU -> c_proj."
     def __init__(self, cfg: GPTConfig):
@@ -61,6 +62,7 @@ class MLP(nn.Module):
 
     def forward(self, x): return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
+# %% ../nbs/11_model.ipynb #904ddd65
 class Block(nn.Module):
     "Pre-LayerNorm transformer block."
     def __init__(self, cfg: GPTConfig):
@@ -102,7 +104,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None):
         B, T = idx.shape
-        if T > self.config.block_size: raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h: x = block(x)
@@ -138,15 +141,18 @@ def compute_split(self: GPT, seq_len: int | None = None, eight_bit=None) -> dict
         raise ValueError(f"[altgrad] eight_bit names {bad} are not linear layers of this GPT; valid: {', '.join(lin)}")
     p8 = sum(lin[n].weight.numel() for n in eight_bit)
     f8 = sum(6 * lin[n].weight.numel() for n in eight_bit)
-    f_lin = sum(6 * m.weight.numel() for n, m in lin.items() if n not in eight_bit)   # the head and any high-precision linear
+    # the head and any high-precision linear
+    f_lin = sum(6 * m.weight.numel() for n, m in lin.items() if n not in eight_bit)
     f_att = 12 * c.n_layer * c.n_embd * T
     p_all, f_all = self.num_params(non_embedding=False), f8 + f_lin + f_att
     return dict(layers_8bit=eight_bit, params_8bit=p8, params_total=p_all, param_share=p8 / p_all,
-                flops_8bit=f8, flops_other_linear=f_lin, flops_attention=f_att, flops_total=f_all, flop_share=f8 / f_all)
+                flops_8bit=f8, flops_other_linear=f_lin, flops_attention=f_att, flops_total=f_all,
+                flop_share=f8 / f_all)
 
 # %% ../nbs/11_model.ipynb #47756af9
 @patch
-def configure_optimizers(self: GPT, weight_decay: float, learning_rate: float, betas=(0.9, 0.95), device_type: str = "cpu"):
+def configure_optimizers(self: GPT, weight_decay: float, learning_rate: float, betas=(0.9, 0.95),
+                         device_type: str = "cpu"):
     "AdamW with two groups: decay for >=2-D params, none for biases/LayerNorm; fused on CUDA."
     params = [p for p in self.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},

@@ -15,15 +15,18 @@ __all__ = ['JobsInterrupted', 'job_env', 'runs_on_cpu', 'one_thread', 'Job', 'ru
 
 # %% ../nbs/19_pool.ipynb #60e9dd99
 class JobsInterrupted(KeyboardInterrupt):
-    """A pool of run processes stopped by SIGINT/SIGTERM (each got SIGTERM: a trainer checkpoints and exits); `exit_code` 130 / 143;
-    `rcs`: `{id: exit code}` of every job that ran, as `run_pool` would have returned it."""
+    """A pool of run processes stopped by SIGINT/SIGTERM (each got SIGTERM: a trainer checkpoints and exits);
+    `exit_code` 130 / 143; `rcs`: `{id: exit code}` of every job that ran, as `run_pool` would have returned it."""
     def __init__(self, signum: int, rcs: dict | None = None):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}"); self.signum, self.rcs = int(signum), dict(rcs or {})
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum, self.rcs = int(signum), dict(rcs or {})
     @property
     def exit_code(self) -> int: return 128 + self.signum
 
+# %% ../nbs/19_pool.ipynb #93857f15
 def job_env(cpu: bool, env: dict | None = None) -> dict:
-    "The environment of one run process: on CPU one thread (`OMP_NUM_THREADS=1`, `MKL_NUM_THREADS=1`), so N processes share N cores."
+    """The environment of one run process: on CPU one thread (`OMP_NUM_THREADS=1`, `MKL_NUM_THREADS=1`), so N processes
+    share N cores."""
     e = dict(os.environ if env is None else env)
     if cpu: e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     e["PYTHONUNBUFFERED"] = "1"                     # the log shows what the process did until it stopped
@@ -37,11 +40,11 @@ def one_thread() -> None:
     "This process and those it starts compute with one thread (what each `--jobs` process does on CPU)."
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"); torch.set_num_threads(1)
 
-
 # %% ../nbs/19_pool.ipynb #1d95459e
 @dataclass
 class Job:
-    "One process of `run_pool`: argv `cmd`, stdout and stderr to `log`; it starts once every job in `after` exited 0 (lower `rank` first)."
+    """One process of `run_pool`: argv `cmd`, stdout and stderr to `log`; it starts once every job in `after` exited 0
+    (lower `rank` first)."""
     id: str
     cmd: list
     log: Path
@@ -50,14 +53,16 @@ class Job:
     rank: int = 0
     info: dict = field(default_factory=dict)
 
-def run_pool(jobs, n: int, env: dict | None = None, on_done=None, count=None, desc: str = "runs", prefix: str = "[altgrad]",
-             poll: float = 0.2, stream=None, until: float | None = None) -> dict:
+# %% ../nbs/19_pool.ipynb #f6662996
+def run_pool(jobs, n: int, env: dict | None = None, on_done=None, count=None, desc: str = "runs",
+             prefix: str = "[altgrad]", poll: float = 0.2, stream=None, until: float | None = None) -> dict:
     """Run `jobs` (`Job`s), at most `n` at a time, each in its own process and session; returns `{id: exit code}` of the
-    jobs that ran (one whose `after` failed never starts: a line says so). A line per job that ends; a failure's names its log.
-    `on_done(job, rc)` may return more jobs to run. The progress bar counts ended jobs, or follows `count()` -> (done, total).
-    SIGINT/SIGTERM/SIGHUP here: every running job's session gets SIGTERM (a third signal: SIGKILL), none starts any more, and once they
-    have all exited `JobsInterrupted` is raised. The lines go to `stream` (default stdout; a benchmark that prints JSON passes stderr). `until` (a `time.time()`):
-    no job starts after it; those left get a line each and are not in the result."""
+    jobs that ran (one whose `after` failed never starts: a line says so). A line per job that ends; a failure's names
+    its log. `on_done(job, rc)` may return more jobs to run. The progress bar counts ended jobs, or follows `count()`
+    -> (done, total). SIGINT/SIGTERM/SIGHUP here: every running job's session gets SIGTERM (a third signal: SIGKILL),
+    none starts any more, and once they have all exited `JobsInterrupted` is raised. The lines go to `stream` (default
+    stdout; a benchmark that prints JSON passes stderr). `until` (a `time.time()`): no job starts after it; those left
+    get a line each and are not in the result."""
     from tqdm.auto import tqdm
     pending, running, rcs, sigs, told = list(jobs), {}, {}, [], set()
     name = {j.id: j.label or j.id for j in pending}
@@ -65,30 +70,37 @@ def run_pool(jobs, n: int, env: dict | None = None, on_done=None, count=None, de
     late = lambda: until is not None and time.time() >= until
     def tell(p, sig=signal.SIGTERM):
         told.add(p.pid)
-        with contextlib.suppress(ProcessLookupError): os.killpg(p.pid, sig)   # its whole session: papermill and what it started
+        # its whole session: papermill and what it started
+        with contextlib.suppress(ProcessLookupError): os.killpg(p.pid, sig)
     def forward(signum, frame):
         sigs.append(signum)
         for p, *_ in list(running.values()): tell(p, signal.SIGKILL if len(sigs) >= 3 else signal.SIGTERM)
     main = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if main else {}
-    bar = tqdm(total=len(pending) if count is None else count()[1], unit="run" if count else "job", desc=desc, file=sys.stderr,
-               dynamic_ncols=True)
+    bar = tqdm(total=len(pending) if count is None else count()[1], unit="run" if count else "job", desc=desc,
+               file=sys.stderr, dynamic_ncols=True)
     try:
         while pending or running:
-            for j in [j for j in pending if not sigs and any(rcs.get(a, 0) != 0 for a in j.after)]:      # a job it needs failed
-                pending.remove(j); say(f"{prefix} {j.label or j.id}: not started ({', '.join(name.get(a, a) for a in j.after if rcs.get(a, 0))} failed)")
+            # a job it needs failed
+            for j in [j for j in pending if not sigs and any(rcs.get(a, 0) != 0 for a in j.after)]:
+                pending.remove(j)
+                say(f"{prefix} {j.label or j.id}: not started "
+                    f"({', '.join(name.get(a, a) for a in j.after if rcs.get(a, 0))} failed)")
             while not sigs and not late() and len(running) < n:
                 ready = [j for j in pending if all(rcs.get(a) == 0 for a in j.after)]
                 if not ready: break
                 j = min(ready, key=lambda j: j.rank); pending.remove(j)
                 Path(j.log).parent.mkdir(parents=True, exist_ok=True)
                 f = open(j.log, "w")
-                running[j.id] = (subprocess.Popen([str(c) for c in j.cmd], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                running[j.id] = (subprocess.Popen([str(c) for c in j.cmd], stdout=f, stderr=subprocess.STDOUT,
+                                                  stdin=subprocess.DEVNULL,
                                                   env=env, start_new_session=True), j, time.time(), f)
             if not running and (sigs or pending):
                 if sigs: raise JobsInterrupted(sigs[0], rcs)
-                for j in pending: say(f"{prefix} {j.label or j.id}: not started (" + ("the time to start jobs is over" if late() else
-                                      f"it waits for jobs that never ran: {', '.join(name.get(a, a) for a in j.after)}") + ")")
+                for j in pending:
+                    say(f"{prefix} {j.label or j.id}: not started ("
+                        + ("the time to start jobs is over" if late() else
+                           f"it waits for jobs that never ran: {', '.join(name.get(a, a) for a in j.after)}") + ")")
                 break
             for p, *_ in list(running.values()):
                 if sigs and p.pid not in told: tell(p)         # started as the signal came

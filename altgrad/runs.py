@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 from .config import RENAMED_KEYS, ConfigError, TrainConfig, load_config, missing_keys
-from .tracking import (read_metrics, read_alerts, write_metrics_compact, encode_json, read_metrics_compact, same_records,
-                              metrics_file, METRICS_JSONL, METRICS_COMPACT, _column, _ABSENT, _META_KEY)
+from .tracking import (read_metrics, read_alerts, write_metrics_compact, encode_json, read_metrics_compact,
+                              same_records, metrics_file, METRICS_JSONL, METRICS_COMPACT, _column, _ABSENT, _META_KEY)
 
 # %% auto #0
 __all__ = ['ALERTS_JSONL', 'ALERTS_COMPACT', 'TABLE', 'TABLE_PARQUET', 'STEPS_FILE', 'DATASET_ALERTS', 'RUN_FILES', 'DONE',
@@ -44,11 +44,13 @@ def keys(self: Run, prefix: str = "") -> list[str]:
 @patch
 def series(self: Run, key: str) -> tuple[np.ndarray, np.ndarray]:
     "(steps, values) of the steps where `key` was logged as a number (non-finite values kept)."
-    pts = [(r["step"], float(r[key])) for r in self.metrics if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    pts = [(r["step"], float(r[key])) for r in self.metrics if isinstance(r.get(key), (int, float))
+           and not isinstance(r.get(key), bool)]
     if not pts: return np.zeros(0, dtype=int), np.zeros(0)
     s, v = zip(*pts)
     return np.asarray(s), np.asarray(v, dtype=float)
 
+# %% ../nbs/17_runs.ipynb #11ba32ae
 @patch
 def last(self: Run, key: str, finite: bool = True) -> float | None:
     "Last logged value of `key` (the last finite one when `finite`)."
@@ -75,19 +77,22 @@ def read_yaml(p) -> dict:
     try: return yaml.safe_load(Path(p).read_text()) or {}
     except (OSError, yaml.YAMLError): return {}
 
+# %% ../nbs/17_runs.ipynb #feb33364
 def read_run_alerts(run_dir) -> list[dict]:
-    "The alerts of a run folder (`alerts.jsonl`, else `alerts.parquet`: `tracking.read_alerts`); [] when it has neither."
+    """The alerts of a run folder (`alerts.jsonl`, else `alerts.parquet`: `tracking.read_alerts`); [] when it has
+    neither."""
     d = Path(run_dir)
     return read_alerts(d) if (d / ALERTS_JSONL).exists() or (d / ALERTS_COMPACT).exists() else []
 
 # %% ../nbs/17_runs.ipynb #ca0c5bb0
 def read_summary(run_dir) -> dict | None:
-    """The trainer's `summary.json` of `run_dir` (else the summary of its dataset row, `dataset_of`), or None when missing
-    or unreadable (a run killed before it ended)."""
+    """The trainer's `summary.json` of `run_dir` (else the summary of its dataset row, `dataset_of`), or None when
+    missing or unreadable (a run killed before it ended)."""
     s = read_json(Path(run_dir) / "summary.json")
     if s is None and (hit := dataset_of(run_dir)) is not None: s = copy.deepcopy(_table(hit[0])[hit[1]].get("summary"))
     return s if isinstance(s, dict) else None
 
+# %% ../nbs/17_runs.ipynb #e9827fe3
 def current_keys(cfg: dict) -> dict:
     "A run's config with renamed keys under their current names (`RENAMED_KEYS`; a current key wins over its old name)."
     out = dict(cfg)
@@ -96,18 +101,21 @@ def current_keys(cfg: dict) -> dict:
     return out
 
 def layer_formats_of(cfg: dict) -> list:
-    "The per-layer precision layout (`layer_formats`, `[[pattern, format-or-None], ...]`) of a run's config; [] when uniform."
+    """The per-layer precision layout (`layer_formats`, `[[pattern, format-or-None], ...]`) of a run's config; [] when
+    uniform."""
     return current_keys(cfg).get("layer_formats") or []
 
 # %% ../nbs/17_runs.ipynb #f186e736
 def load_run(run_dir) -> Run:
-    """Read a run folder written by `altgrad.trainer.Trainer` (metrics from `metrics.jsonl` or the compact `metrics.parquet`),
-    or, where the folder holds no metrics, its row of the dataset above it (`dataset_of`; `write_dataset` packs one)."""
+    """Read a run folder written by `altgrad.trainer.Trainer` (metrics from `metrics.jsonl` or the compact
+    `metrics.parquet`), or, where the folder holds no metrics, its row of the dataset above it (`dataset_of`;
+    `write_dataset` packs one)."""
     d = Path(run_dir)
     if metrics_file(d) is None:
         if (hit := dataset_of(d)) is not None: return _dataset_run(d, *hit)
-        raise FileNotFoundError(f"{d} holds neither {METRICS_JSONL} nor {METRICS_COMPACT}, and no dataset above it ({STEPS_FILE} + "
-                                f"{TABLE_PARQUET}) has a row for it: is it a run folder (the trainer's out_dir)?")
+        raise FileNotFoundError(f"{d} holds neither {METRICS_JSONL} nor {METRICS_COMPACT}, and no dataset above it "
+                                f"({STEPS_FILE} + {TABLE_PARQUET}) has a row for it: is it a run folder (the trainer's "
+                                "out_dir)?")
     return Run(d, read_metrics(d, merge=True), read_run_alerts(d), read_json(d / "summary.json", {}),
                current_keys(read_yaml(d / "config.yaml")), read_json(d / "histograms.json", {}))
 
@@ -117,11 +125,13 @@ _CACHE: dict = {}                  # (kind, dataset folder) -> (the files' stamp
 
 def read_table(out) -> dict:
     """{run name: row} of the dataset folder `out`: its `runs.parquet` (`config`, `summary`, `histograms` stored as JSON
-    text) or else its `runs.json`; a row is `{'name', 'config', 'summary'[, 'histograms']}`. {} when there is neither."""
+    text) or else its `runs.json`; a row is `{'name', 'config', 'summary'[, 'histograms']}`. {} when there is
+    neither."""
     d = Path(out)
     if (d / TABLE_PARQUET).exists():
         import pyarrow.parquet as pq
-        return {r["name"]: {"name": r["name"], **{k: json.loads(v) for k, v in r.items() if k != "name" and v is not None}}
+        return {r["name"]: {"name": r["name"],
+                            **{k: json.loads(v) for k, v in r.items() if k != "name" and v is not None}}
                 for r in pq.read_table(d / TABLE_PARQUET).to_pylist()}
     p = d / TABLE
     return {r["name"]: r for r in json.loads(p.read_text())} if p.exists() else {}
@@ -158,6 +168,7 @@ def _read_steps_records(folder: Path) -> dict:
             for r in read_metrics_compact(folder / f): out.setdefault(r.pop("run"), ([], []))[i].append(r)
     return out
 
+# %% ../nbs/17_runs.ipynb #cf073455
 def dataset_of(run_dir, depth: int = 4) -> tuple[Path, str] | None:
     """(dataset folder, row name) of the run `run_dir` in the dataset of a folder at most `depth` levels above it whose
     table names it by its relative path; None when there is none."""
@@ -170,14 +181,17 @@ def dataset_of(run_dir, depth: int = 4) -> tuple[Path, str] | None:
 
 # %% ../nbs/17_runs.ipynb #56eb8fa7
 def _dataset_run(run_dir, folder: Path, name: str) -> Run:
-    "The `Run` of row `name` of the dataset in `folder` (fresh copies: a reader may change them), as if read from `run_dir`."
+    """The `Run` of row `name` of the dataset in `folder` (fresh copies: a reader may change them), as if read from
+    `run_dir`."""
     row = _table(folder)[name]
     m, a = _cached("steps", folder, (STEPS_FILE, DATASET_ALERTS), _read_steps_records).get(name, ([], []))
     return Run(Path(run_dir), [dict(r) for r in m], [dict(r) for r in a], copy.deepcopy(row.get("summary") or {}),
                current_keys(copy.deepcopy(row.get("config") or {})), copy.deepcopy(row.get("histograms") or {}))
 
+# %% ../nbs/17_runs.ipynb #1c45d0d0
 def read_config(run_dir) -> dict:
-    "The config a run saved (`config.yaml`, else its dataset row), keys as written; FileNotFoundError when it has neither."
+    """The config a run saved (`config.yaml`, else its dataset row), keys as written; FileNotFoundError when it has
+    neither."""
     d = Path(run_dir)
     if (d / "config.yaml").is_file() or (hit := dataset_of(d)) is None:
         import yaml
@@ -199,18 +213,18 @@ def run_files(run_dir) -> list[Path]:
     d = Path(run_dir)
     return sorted({p for pat in RUN_FILES for p in d.glob(pat)}) if d.is_dir() else []
 
+# %% ../nbs/17_runs.ipynb #300fa9bb
 def run_status(run) -> str:
     """What a run came to, read from its summary (`run`: a run folder, a `Run` or a `summary.json` dict): 'finished' (it
-    reached `max_steps`, at `max_steps`), 'stopped' (it ended itself at a non-finite loss, the NaN policy: a result too),
-    'interrupted' (a signal stopped it at a checkpoint: resumable) or 'incomplete' (no summary: never run or killed; or
-    any other end). `DONE` holds the statuses that are results."""
+    reached `max_steps`, at `max_steps`), 'stopped' (it ended itself at a non-finite loss, the NaN policy: a result
+    too), 'interrupted' (a signal stopped it at a checkpoint: resumable) or 'incomplete' (no summary: never run or
+    killed; or any other end). `DONE` holds the statuses that are results."""
     if isinstance(run, Run): s = dict(run.summary); s.setdefault("max_steps", run.config.get("max_steps"))
     else: s = run if isinstance(run, dict) or run is None else read_summary(run)
     if not isinstance(s, dict): return "incomplete"
     why = s.get("stopped_reason")
     if why == "max_steps": return "finished" if s.get("final_step") == s.get("max_steps") else "incomplete"
     return {"nan": "stopped", "interrupted": "interrupted"}.get(why, "incomplete")
-
 
 # %% ../nbs/17_runs.ipynb #29a00016
 def run_finished(run: Run) -> tuple[bool, int, int | None, str | None]:
@@ -234,6 +248,7 @@ def ignored_key(key: str) -> bool:
     "Does config key `key` change nothing about what a run computes (`IGNORED_KEYS`, `wandb_*`)?"
     return key in IGNORED_KEYS or key.startswith("wandb_")
 
+# %% ../nbs/17_runs.ipynb #6b1343ef
 def saved_config(run_dir) -> TrainConfig:
     """The run's `config.yaml` (else the config of its row in the dataset above it, `altgrad.runs.dataset_of`) loaded
     through `TrainConfig` (keys added since it was written take their defaults)."""
@@ -244,11 +259,13 @@ def saved_config(run_dir) -> TrainConfig:
         return load_config(raw.pop("preset", None), **raw)
     return load_config(p)
 
+# %% ../nbs/17_runs.ipynb #66a6bf0c
 def data_identity(data_dir) -> dict | None:
     "`{split: (sha256, tokens)}` from a prepared data folder's `meta.json` (its token content); None when unreadable."
     try: meta = json.loads((Path(data_dir) / "meta.json").read_text())
     except (OSError, ValueError, TypeError): return None
-    ident = {s: (i.get("sha256"), i.get("tokens")) for s, i in (meta.get("splits") or {}).items() if isinstance(i, dict)}
+    ident = {s: (i.get("sha256"), i.get("tokens"))
+             for s, i in (meta.get("splits") or {}).items() if isinstance(i, dict)}
     return ident or None
 
 # %% ../nbs/17_runs.ipynb #58f4262d
@@ -261,8 +278,10 @@ def _data_diff(a, b) -> str | None:
           f"cannot compare the content: no readable meta.json in {a if ia is None else b}"
     return f"data_dir: {a!r} -> {b!r} ({why})"
 
+# %% ../nbs/17_runs.ipynb #9124ad9b
 def config_diff(saved, requested) -> list[str]:
-    "`'key: saved -> requested'` for every config field that differs (TrainConfig or dict; out_dir, resume, wandb_* ignored; data by content)."
+    """`'key: saved -> requested'` for every config field that differs (TrainConfig or dict; out_dir, resume, wandb_*
+    ignored; data by content)."""
     a = saved.to_dict() if isinstance(saved, TrainConfig) else dict(saved)
     b = requested.to_dict() if isinstance(requested, TrainConfig) else dict(requested)
     out = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in list(dict.fromkeys([*a, *b]))
@@ -278,7 +297,8 @@ def config_reasons(run_dir, cfg) -> list[str]:
     try:
         raw = read_config(d)                               # config.yaml, or the run's row of a dataset
         lacks = [k for k in missing_keys(raw) if not ignored_key(k)]
-        why = [f"config.yaml lacks {', '.join(lacks)} (written by older code; its defaults may not be what ran)"] if lacks else []
+        why = ([f"config.yaml lacks {', '.join(lacks)} (written by older code; its defaults may not be what ran)"]
+               if lacks else [])
         return why + config_diff(saved_config(d), cfg)
     except (ConfigError, OSError, ValueError) as e: return [f"config.yaml unusable: {e}"]
 
@@ -297,7 +317,8 @@ def check_run(run_dir, cfg=None, accept=DONE) -> tuple:
     if summ is None: return None, [f"no readable summary.json in {d} (never run, or killed before it ended)"]
     why, status = [], run_status(summ)
     if status not in accept:
-        why.append(f"stopped at step {summ.get('final_step')} of {summ.get('max_steps')}" if summ.get("stopped_reason") == "max_steps"
+        why.append(f"stopped at step {summ.get('final_step')} of {summ.get('max_steps')}"
+                   if summ.get("stopped_reason") == "max_steps"
                    else f"stopped_reason={summ.get('stopped_reason')!r}: {status}, not one of {list(accept)}")
     if cfg is not None: why += config_reasons(d, cfg)
     if why: return None, why
@@ -310,15 +331,18 @@ def check_run(run_dir, cfg=None, accept=DONE) -> tuple:
 REUSED_FILE = "reused.json"
 
 def is_writeup(d) -> bool:
-    "A write-up folder: holds the run folder `run/` (with its `config.yaml`), or its run is a row of a dataset above it."
+    """A write-up folder: holds the run folder `run/` (with its `config.yaml`), or its run is a row of a dataset above
+    it."""
     return (Path(d) / "run" / "config.yaml").exists() or dataset_of(Path(d) / "run") is not None
 
 def is_sweep(d) -> bool:
     "A sweep folder: holds `_reference/` and the sweep's `summary.json`."
     return (Path(d) / "_reference").is_dir() and (Path(d) / "summary.json").exists()
 
+# %% ../nbs/17_runs.ipynb #89979121
 def _subdirs(d: Path) -> list[Path]:
-    return sorted(x for x in d.iterdir() if x.is_dir() and not x.name.startswith(("_", ".")) and x.name not in ("figures", "run", "checkpoints", "wandb"))
+    return sorted(x for x in d.iterdir() if x.is_dir() and not x.name.startswith(("_", "."))
+                  and x.name not in ("figures", "run", "checkpoints", "wandb"))
 
 def find_writeups(path) -> list[Path]:
     "`path` if it is a write-up, else every write-up below it (sorted, `_reference`/`_data` skipped)."
@@ -339,6 +363,7 @@ def find_matrices(path) -> list[Path]:
     if is_writeup(p): return []
     return [m for c in _subdirs(p) for m in find_matrices(c)] + ([p] if (p / "matrix.json").exists() else [])
 
+# %% ../nbs/17_runs.ipynb #2a0df3f4
 def reuse_marker(dest) -> dict | None:
     "The `reused.json` of a format folder, or None."
     m = read_json(Path(dest) / REUSED_FILE)
@@ -346,7 +371,8 @@ def reuse_marker(dest) -> dict | None:
 
 # %% ../nbs/17_runs.ipynb #490964b7
 def load_runs(out, names: list[str]) -> dict:
-    "`{name: Run or None}` for the run folders `out/<name>/run` (a reused row: the run it reused; None: not run or incomplete)."
+    """`{name: Run or None}` for the run folders `out/<name>/run` (a reused row: the run it reused; None: not run or
+    incomplete)."""
     res = {}
     for n in names:
         m = reuse_marker(Path(out) / n)
@@ -371,8 +397,10 @@ def _write_records(records: list[dict], path: Path) -> Path:
     floats = [k for k in keys if pa.types.is_floating(t.schema.field(k).type)]
     meta = dict(version=1, records=len(records), json=js, source_bytes=None)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with pq.ParquetWriter(tmp, t.schema, compression="zstd", compression_level=DATASET_ZSTD_LEVEL, write_statistics=False,
-                          use_dictionary=[k for k in keys if k not in floats] or False, use_byte_stream_split=floats or False,
+    with pq.ParquetWriter(tmp, t.schema, compression="zstd", compression_level=DATASET_ZSTD_LEVEL,
+                          write_statistics=False,
+                          use_dictionary=[k for k in keys if k not in floats] or False,
+                          use_byte_stream_split=floats or False,
                           store_schema=False) as w:
         w.write_table(t); w.add_key_value_metadata({_META_KEY: json.dumps(meta).encode()})
     os.replace(tmp, path)
@@ -380,7 +408,8 @@ def _write_records(records: list[dict], path: Path) -> Path:
 
 # %% ../nbs/17_runs.ipynb #ee77e35b
 def run_folders(folder) -> list[Path]:
-    "Every run folder below `folder` (holding `config.yaml` and metrics), sorted; folders named `_*` or `.*` are skipped."
+    """Every run folder below `folder` (holding `config.yaml` and metrics), sorted; folders named `_*` or `.*` are
+    skipped."""
     f = Path(folder)
     return sorted(p.parent for p in f.rglob("config.yaml") if metrics_file(p.parent) is not None
                   and not any(x.startswith(("_", ".")) for x in p.parent.relative_to(f).parts))
@@ -394,15 +423,17 @@ def _same_run(a: Run, b: Run) -> bool:
 # %% ../nbs/17_runs.ipynb #7f46de09
 def write_dataset(folder, runs=None, keep=None) -> dict:
     """Pack the run folders `runs` (default `run_folders(folder)`) into the dataset of `folder` (`runs.parquet`,
-    `steps.parquet`, `alerts.parquet`); `keep`: glob patterns of the metric keys to keep (None: all). Every packed run is
-    read back and compared with its folder (the kept keys) before it returns `{'runs', 'packed', 'columns'}` (rows in the
-    dataset, rows packed now, metric columns of `steps.parquet`)."""
+    `steps.parquet`, `alerts.parquet`); `keep`: glob patterns of the metric keys to keep (None: all). Every packed run
+    is read back and compared with its folder (the kept keys) before it returns `{'runs', 'packed', 'columns'}` (rows
+    in the dataset, rows packed now, metric columns of `steps.parquet`)."""
     import pyarrow as pa, pyarrow.parquet as pq
     f = Path(folder)
-    if (f / TABLE).exists(): raise ValueError(f"{f} holds a {TABLE} table (altgrad.confirm's): write_dataset writes {TABLE_PARQUET}; pack into another folder")
+    if (f / TABLE).exists(): raise ValueError(f"{f} holds a {TABLE} table (altgrad.confirm's): write_dataset writes "
+                                              f"{TABLE_PARQUET}; pack into another folder")
     runs = run_folders(f) if runs is None else [Path(r) for r in runs]
     bad = [str(r) for r in runs if f.resolve() not in Path(r).resolve().parents or metrics_file(r) is None]
-    if bad: raise ValueError(f"not run folders below {f} (a folder holding metrics.parquet or metrics.jsonl): {', '.join(bad[:5])}")
+    if bad: raise ValueError(f"not run folders below {f} (a folder holding metrics.parquet or metrics.jsonl): "
+                             f"{', '.join(bad[:5])}")
     kept = lambda k: k == "step" or keep is None or any(fnmatch.fnmatchcase(k, p) for p in keep)
     new = {}
     for r in runs:
@@ -416,19 +447,23 @@ def write_dataset(folder, runs=None, keep=None) -> dict:
     for n in names:
         if n in new:
             run = new[n]; cfg = read_config(run.dir)          # as written, not renamed
-            row, m, a = dict(name=n, config=cfg, summary=run.summary, histograms=run.histograms or None), run.metrics, run.alerts
+            row, m, a = dict(name=n, config=cfg, summary=run.summary,
+                             histograms=run.histograms or None), run.metrics, run.alerts
         else: row, (m, a) = old_rows[n], old_steps.get(n, ([], []))
-        rows.append({"name": n, **{k: None if row.get(k) is None else json.dumps(row[k]) for k in ("config", "summary", "histograms")}})
+        rows.append({"name": n, **{k: None if row.get(k) is None else json.dumps(row[k])
+                                   for k in ("config", "summary", "histograms")}})
         steps += [{"run": n, **x} for x in m]; alerts += [{"run": n, **x} for x in a]
     f.mkdir(parents=True, exist_ok=True)
     _write_records(steps, f / STEPS_FILE)
     if alerts: _write_records(alerts, f / DATASET_ALERTS)
     else: (f / DATASET_ALERTS).unlink(missing_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([(k, pa.string()) for k in ("name", "config", "summary", "histograms")])),
+    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([(k, pa.string()) for k in
+                                                                ("name", "config", "summary", "histograms")])),
                    f / TABLE_PARQUET, compression="zstd", compression_level=DATASET_ZSTD_LEVEL)
     for kind in ("table", "steps"): _CACHE.pop((kind, str(f.resolve())), None)
     differ = [n for n, run in new.items() if not _same_run(_dataset_run(run.dir, f, n), run)]
-    if differ: raise RuntimeError(f"{f}: {len(differ)} packed runs do not read back as their folders ({', '.join(differ[:3])}); please report this bug")
+    if differ: raise RuntimeError(f"{f}: {len(differ)} packed runs do not read back as their folders "
+                                  f"({', '.join(differ[:3])}); please report this bug")
     return dict(runs=len(names), packed=len(new), columns=len({k for m in steps for k in m}) - 1)
 
 # %% ../nbs/17_runs.ipynb #08799ff2
@@ -437,9 +472,11 @@ def packed_runs(folder) -> list[str]:
     f = Path(folder)
     return [n for n in _table(f) if metrics_file(f / n) is None] if is_dataset(f) else []
 
+# %% ../nbs/17_runs.ipynb #df5a1b10
 def unpack_dataset(folder, names=None) -> list[Path]:
-    """Write the run folders of the dataset in `folder` back from its rows (`names`, default every packed row: `packed_runs`):
-    `config.yaml`, `summary.json`, the compact `metrics.parquet` and `alerts.parquet`, `histograms.json`. Returns the folders."""
+    """Write the run folders of the dataset in `folder` back from its rows (`names`, default every packed row:
+    `packed_runs`): `config.yaml`, `summary.json`, the compact `metrics.parquet` and `alerts.parquet`,
+    `histograms.json`. Returns the folders."""
     import yaml
     f, out = Path(folder), []
     for n in (packed_runs(f) if names is None else names):

@@ -13,7 +13,6 @@ import torch
 from fastcore.basics import patch
 from .notice import AltgradNotice, notice   # re-exported: they lived here before `altgrad.notice`
 
-
 # %% auto #0
 __all__ = ['METRICS_JSONL', 'METRICS_COMPACT', 'DEFAULT_COOLDOWNS', 'COMPACT_COLUMNS', 'LAYER_COLUMNS', 'to_python',
            'encode_json', 'decode_json', 'read_metrics', 'write_metrics_compact', 'compact_info',
@@ -36,16 +35,20 @@ def to_python(v):
     if isinstance(v, (list, tuple)): return [to_python(x) for x in v]
     return v
 
+# %% ../nbs/15_tracking.ipynb #61bc09c0
 def encode_json(v):
     "JSON-safe copy of `v`: non-finite floats -> 'NaN'/'Infinity'/'-Infinity'; unknown objects -> a short tag."
-    if isinstance(v, float) and not math.isfinite(v): return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
     if v is None or isinstance(v, (bool, int, float, str)): return v
     if isinstance(v, dict): return {str(k): encode_json(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)): return [encode_json(x) for x in v]
     if hasattr(v, "histogram") and hasattr(v, "bins"):  # wandb.Histogram
-        return {"_type": "histogram", "values": encode_json(to_python(v.histogram)), "bins": encode_json(to_python(v.bins))}
+        return {"_type": "histogram", "values": encode_json(to_python(v.histogram)),
+                "bins": encode_json(to_python(v.bins))}
     return {"_type": type(v).__name__}
 
+# %% ../nbs/15_tracking.ipynb #e2d9ae72
 def decode_json(v):
     "Inverse of `encode_json` for numbers: the strings 'NaN', 'Infinity', '-Infinity' -> floats."
     if isinstance(v, str): return _NONFINITE.get(v, v)
@@ -67,6 +70,7 @@ def _read_jsonl(path: Path) -> list[dict]:
             else: raise
     return out
 
+# %% ../nbs/15_tracking.ipynb #5fd50b36
 def read_metrics(path: str | os.PathLike, merge: bool = False) -> list[dict]:
     """Records of a run's metrics (non-finite strings decoded to floats); `merge=True`: one record per step.
 
@@ -74,7 +78,8 @@ def read_metrics(path: str | os.PathLike, merge: bool = False) -> list[dict]:
     path = Path(path)
     if path.is_dir():
         f = metrics_file(path)
-        if f is None: raise FileNotFoundError(f"{path} holds neither {METRICS_JSONL} nor {METRICS_COMPACT}: is it a run folder?")
+        if f is None:
+            raise FileNotFoundError(f"{path} holds neither {METRICS_JSONL} nor {METRICS_COMPACT}: is it a run folder?")
         path = f
     out = read_metrics_compact(path) if path.suffix == ".parquet" else _read_jsonl(path)
     if not merge: return out
@@ -86,6 +91,7 @@ def read_metrics(path: str | os.PathLike, merge: bool = False) -> list[dict]:
 _META_KEY = b"altgrad.metrics"
 _ABSENT = object()
 
+# %% ../nbs/15_tracking.ipynb #773954be
 def _column(vals: list):
     "(pyarrow array, is_json) storing `vals` (`_ABSENT` = key not in that record) without loss."
     import pyarrow as pa
@@ -99,15 +105,18 @@ def _column(vals: list):
         a = np.array([0.0 if v is _ABSENT else v for v in vals], dtype=np.float64)
         with np.errstate(over="ignore", invalid="ignore"):
             a32 = a.astype(np.float32)
-            lossless = np.array_equal(a32.astype(np.float64), a, equal_nan=True) and np.array_equal(np.signbit(a32), np.signbit(a))
+            lossless = (np.array_equal(a32.astype(np.float64), a, equal_nan=True)
+                        and np.array_equal(np.signbit(a32), np.signbit(a)))
         return pa.array(a32 if lossless else a, mask=mask), False
     if kinds == {str}: return pa.array([None if v is _ABSENT else v for v in vals], pa.string()), False
-    return pa.array([None if v is _ABSENT else json.dumps(encode_json(v), allow_nan=False) for v in vals], pa.string()), True
+    return pa.array([None if v is _ABSENT else json.dumps(encode_json(v), allow_nan=False) for v in vals],
+                    pa.string()), True
 
 # %% ../nbs/15_tracking.ipynb #85090375
 def write_metrics_compact(records: list[dict], path: str | os.PathLike, source_bytes: int | None = None,
                           meta: dict | None = None) -> Path:
-    "Write `records` (as `read_metrics` returns them) to a zstd Parquet file at `path` (atomically); `meta`: extra metadata."
+    """Write `records` (as `read_metrics` returns them) to a zstd Parquet file at `path` (atomically); `meta`: extra
+    metadata."""
     import pyarrow as pa, pyarrow.parquet as pq
     path = Path(path)
     keys = list(dict.fromkeys(k for r in records for k in r))
@@ -130,7 +139,8 @@ def compact_info(path: str | os.PathLike) -> dict:
     "The altgrad metadata of a compact metrics file: version, records, json columns, source_bytes."
     import pyarrow.parquet as pq
     md = pq.read_schema(path).metadata or {}
-    if _META_KEY not in md: raise ValueError(f"{path} is not an altgrad compact metrics file (no {_META_KEY.decode()} metadata)")
+    if _META_KEY not in md:
+        raise ValueError(f"{path} is not an altgrad compact metrics file (no {_META_KEY.decode()} metadata)")
     return json.loads(md[_META_KEY])
 
 def _extra_meta(path) -> dict:
@@ -143,7 +153,8 @@ def read_metrics_compact(path: str | os.PathLike) -> list[dict]:
     except ImportError: raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
     t = pq.read_table(path)
     md = t.schema.metadata or {}
-    if _META_KEY not in md: raise ValueError(f"{path} is not an altgrad compact metrics file (no {_META_KEY.decode()} metadata)")
+    if _META_KEY not in md:
+        raise ValueError(f"{path} is not an altgrad compact metrics file (no {_META_KEY.decode()} metadata)")
     json_cols = set(json.loads(md[_META_KEY]).get("json", []))
     out = [{} for _ in range(t.num_rows)]
     for name in t.column_names:
@@ -158,7 +169,8 @@ def read_metrics_compact(path: str | os.PathLike) -> list[dict]:
 
 # %% ../nbs/15_tracking.ipynb #ed516422
 def metrics_file(run_dir: str | os.PathLike) -> Path | None:
-    "The file holding `run_dir`'s metrics: `metrics.jsonl` unless the compact file was made from exactly it (or it is gone)."
+    """The file holding `run_dir`'s metrics: `metrics.jsonl` unless the compact file was made from exactly it (or it is
+    gone)."""
     d = Path(run_dir); j, c = d / METRICS_JSONL, d / METRICS_COMPACT
     if c.exists():
         if not j.exists(): return c
@@ -167,9 +179,11 @@ def metrics_file(run_dir: str | os.PathLike) -> Path | None:
         except Exception: pass
     return j if j.exists() else None
 
+# %% ../nbs/15_tracking.ipynb #a8cca31e
 def _same_value(a, b) -> bool:
     if type(a) is not type(b): return False
-    if isinstance(a, float): return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
     if isinstance(a, list): return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, dict): return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
     return a == b
@@ -180,7 +194,8 @@ def same_records(a: list[dict], b: list[dict]) -> bool:
 
 # %% ../nbs/15_tracking.ipynb #b2935a7e
 def compact_metrics(run_dir: str | os.PathLike, remove_jsonl: bool = False, check: bool = True) -> Path:
-    "Write `run_dir/metrics.parquet` from `run_dir/metrics.jsonl` (checking the round trip); optionally delete the JSONL."
+    """Write `run_dir/metrics.parquet` from `run_dir/metrics.jsonl` (checking the round trip); optionally delete the
+    JSONL."""
     d = Path(run_dir); j = d / METRICS_JSONL
     if not j.exists():
         if (d / METRICS_COMPACT).exists(): return d / METRICS_COMPACT
@@ -207,7 +222,8 @@ def read_wandb_records(path: str | os.PathLike, tail_blocks: int | None = None) 
     with open(path, "rb") as f:
         head = f.read(_WB_HEADER)
         size = f.seek(0, os.SEEK_END)
-        start = _WB_HEADER if tail_blocks is None else max(_WB_HEADER, (size // _WB_BLOCK - tail_blocks + 1) * _WB_BLOCK)
+        start = _WB_HEADER if tail_blocks is None else max(_WB_HEADER,
+                                                           (size // _WB_BLOCK - tail_blocks + 1) * _WB_BLOCK)
         f.seek(0); data = f.read() if start == _WB_HEADER else (f.seek(start), f.read())[1]
     off = 0 if start == _WB_HEADER else start           # file offset of data[0]
     ident, magic, version = struct.unpack("<4sHB", head) if len(head) >= _WB_HEADER else (b"", 0, 0)
@@ -237,13 +253,15 @@ def read_wandb_records(path: str | os.PathLike, tail_blocks: int | None = None) 
 
 # %% ../nbs/15_tracking.ipynb #2842f56c
 def wandb_log_complete(path: str | os.PathLike) -> bool:
-    "True when the W&B transaction log `path` ends with its run's `exit` record (its last block is read, not the whole log)."
+    """True when the W&B transaction log `path` ends with its run's `exit` record (its last block is read, not the
+    whole log)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return any(r.WhichOneof("record_type") == "exit" for r in read_wandb_records(path, tail_blocks=2))
     except (OSError, ValueError): return False
 
+# %% ../nbs/15_tracking.ipynb #77b74ec5
 def wait_for_wandb_log(path: str | os.PathLike, timeout: float = 60.0, poll: float = 0.1) -> bool:
     """Wait until `wandb_log_complete(path)`: `wandb.finish()` can return before wandb-core has written the log
     (seen offline on a loaded machine: a 7-byte file for a moment), and a reader right after would see no records."""
@@ -263,6 +281,7 @@ def wandb_run_files(path: str | os.PathLike) -> list[Path]:
         return (m.group(1) if m else "", p.stat().st_mtime)
     return sorted(path.rglob("run-*.wandb"), key=key)
 
+# %% ../nbs/15_tracking.ipynb #e534c995
 def read_wandb_history(path: str | os.PathLike) -> list[dict]:
     "History rows (`{'_step': ..., key: value}`) from the W&B run file(s) at `path`, in order."
     rows = []
@@ -287,6 +306,7 @@ def read_wandb_alerts(path: str | os.PathLike) -> list[dict]:
                 out.append(dict(title=a.title, text=a.text, level=a.level, wait_duration=a.wait_duration))
     return out
 
+# %% ../nbs/15_tracking.ipynb #c5cd1f5c
 def read_wandb_run_ids(path: str | os.PathLike) -> list[str]:
     "The run id stored in each W&B run file at `path` (one per process that ran)."
     out = []
@@ -299,6 +319,7 @@ def read_wandb_run_ids(path: str | os.PathLike) -> list[str]:
 DEFAULT_COOLDOWNS = {"nan": 60.0}   # seconds; any other kind uses `default_cooldown`
 _LEVELS = ("INFO", "WARN", "ERROR")
 
+# %% ../nbs/15_tracking.ipynb #2b18af5a
 def wandb_logged_in() -> bool:
     "True when a W&B API key is configured (env var or netrc/settings); never prompts, never raises."
     if os.environ.get("WANDB_API_KEY"): return True
@@ -309,6 +330,7 @@ def wandb_logged_in() -> bool:
             return bool(wandb.login(prompt=False, verify=False))
     except Exception: return False
 
+# %% ../nbs/15_tracking.ipynb #b80fb71c
 _MODES = ("offline", "online", "disabled", "auto")
 
 def resolve_wandb_mode(mode: str) -> str:
@@ -330,7 +352,8 @@ def _new_id() -> str: return uuid.uuid4().hex[:8]
 
 # %% ../nbs/15_tracking.ipynb #10ea168f
 class Tracker:
-    "Log metrics every step to W&B and `run_dir/metrics.jsonl` (+ `metrics.parquet` at `finish`); alerts to W&B, console and `alerts.jsonl`."
+    """Log metrics every step to W&B and `run_dir/metrics.jsonl` (+ `metrics.parquet` at `finish`); alerts to W&B,
+    console and `alerts.jsonl`."""
     def __init__(self, run_dir: str | os.PathLike, config: dict | None = None, project: str = "altgrad",
                  name: str | None = None, tags=(), mode: str = "offline", run_id: str | None = None,
                  resume: bool = False, cooldowns: dict | None = None, default_cooldown: float = 300.0,
@@ -348,7 +371,8 @@ class Tracker:
         self.resumed = False
         if run_id is None and resume:
             run_id = self._saved_run_id()
-            if run_id is None: notice(f"resume=True but {self.run_dir / 'tracker.json'} has no run id; starting a new run")
+            if run_id is None:
+                notice(f"resume=True but {self.run_dir / 'tracker.json'} has no run id; starting a new run")
         self.resumed = run_id is not None
         self.requested_mode = mode
         self.mode = resolve_wandb_mode(mode)
@@ -418,6 +442,7 @@ def _wandb_value(v, py):
     if isinstance(v, np.ndarray) and v.size > 1: return v
     return py
 
+# %% ../nbs/15_tracking.ipynb #ec253211
 @patch
 def log(self: Tracker, metrics: dict, step: int):
     "Log `metrics` at `step` to W&B and append `{'step': step, **metrics}` to `metrics.jsonl`."
@@ -425,14 +450,16 @@ def log(self: Tracker, metrics: dict, step: int):
     step = int(step)
     py = {str(k): to_python(v) for k, v in metrics.items()}
     if self._last_step is not None and step < self._last_step:
-        self._warn_once("step", f"step {step} < last logged step {self._last_step}: W&B ignores it (metrics.jsonl keeps it)")
+        self._warn_once("step",
+                        f"step {step} < last logged step {self._last_step}: W&B ignores it (metrics.jsonl keeps it)")
     self._last_step = step if self._last_step is None else max(step, self._last_step)
     self._metrics_f.write(json.dumps({"step": step, **encode_json(py)}, allow_nan=False) + "\n")
     self._metrics_f.flush()
     if self.run is not None:
         wb = {str(k): _wandb_value(v, py[str(k)]) for k, v in metrics.items()}
         try: self.run.log(wb, step=step)
-        except Exception as e: self._warn_once("log", f"wandb log failed ({type(e).__name__}: {e}); continuing with metrics.jsonl")
+        except Exception as e:
+            self._warn_once("log", f"wandb log failed ({type(e).__name__}: {e}); continuing with metrics.jsonl")
 
 # %% ../nbs/15_tracking.ipynb #bf4d6942
 @patch
@@ -443,7 +470,8 @@ def finish(self: Tracker, exit_code: int | None = None):
     for f in (self._metrics_f, self._alerts_f): f.close()
     if self.compact and (self.run_dir / METRICS_JSONL).stat().st_size:
         try: compact_metrics(self.run_dir)
-        except Exception as e: notice(f"could not write {METRICS_COMPACT} ({type(e).__name__}: {e}); {METRICS_JSONL} is complete")
+        except Exception as e:
+            notice(f"could not write {METRICS_COMPACT} ({type(e).__name__}: {e}); {METRICS_JSONL} is complete")
     if self.run is not None:
         try:
             log = Path(self.run.dir).parent / f"run-{self.run.id}.wandb"
@@ -452,6 +480,7 @@ def finish(self: Tracker, exit_code: int | None = None):
                 notice(f"{log} has no exit record 60 s after wandb.finish(): the W&B log may be incomplete")
         except Exception as e: notice(f"wandb finish failed: {type(e).__name__}: {e}")
 
+# %% ../nbs/15_tracking.ipynb #9165a9f4
 @patch
 def __enter__(self: Tracker): return self
 
@@ -472,18 +501,22 @@ def alert(self: Tracker, kind: str, title: str, text: str, level: str = "WARN", 
         self._alerts_f.write(json.dumps(encode_json(rec), allow_nan=False) + "\n"); self._alerts_f.flush()
     if suppressed: self.n_suppressed[kind] += 1; return False
     self._last_alert[kind] = now
-    if self.console: _console(f"[altgrad {level}] " + (f"step {step}: " if step is not None else "") + f"{title}: {text}")
+    if self.console:
+        _console(f"[altgrad {level}] " + (f"step {step}: " if step is not None else "") + f"{title}: {text}")
     if self.run is not None and not self._finished:
         try:
             import wandb
             self.run.alert(title=title, text=text, level=getattr(wandb.AlertLevel, level), wait_duration=cooldown)
-        except Exception as e: self._warn_once("alert", f"wandb alert failed ({type(e).__name__}: {e}); alerts go to alerts.jsonl")
+        except Exception as e:
+            self._warn_once("alert", f"wandb alert failed ({type(e).__name__}: {e}); alerts go to alerts.jsonl")
     return True
 
+# %% ../nbs/15_tracking.ipynb #962fc0d3
 def read_alerts(path: str | os.PathLike) -> list[dict]:
     "Records of `alerts.jsonl` or `alerts.parquet` (a file, or the run_dir holding one: the JSONL if both)."
     path = Path(path)
-    if path.is_dir(): path = next((p for p in (path / "alerts.jsonl", path / "alerts.parquet") if p.exists()), path / "alerts.jsonl")
+    if path.is_dir():
+        path = next((p for p in (path / "alerts.jsonl", path / "alerts.parquet") if p.exists()), path / "alerts.jsonl")
     if path.suffix == ".parquet": return read_metrics_compact(path)
     return [decode_json(json.loads(l)) for l in path.read_text().splitlines() if l.strip()]
 
@@ -515,11 +548,13 @@ def find_breaches(metrics: dict, cfg=None, *, bit_stall_threshold: float = 0.5, 
     out = []
     def add(kind, level, title, keys, fmt):
         keys = sorted(keys, key=lambda k: -nums[k] if math.isfinite(nums[k]) else -math.inf)
-        shown = ", ".join(f"{k}={fmt(nums[k])}" for k in keys[:max_listed]) + (f" (+{len(keys) - max_listed} more)" if len(keys) > max_listed else "")
+        shown = (", ".join(f"{k}={fmt(nums[k])}" for k in keys[:max_listed])
+                 + (f" (+{len(keys) - max_listed} more)" if len(keys) > max_listed else ""))
         out.append(dict(kind=kind, level=level, title=title, text=shown, keys=keys))
     bad_loss = [k for k, v in nums.items() if _leaf_match(k, loss_keys) and not math.isfinite(v)]
     if bad_loss: add("nan", "ERROR", "Non-finite loss", bad_loss, str)
-    checks = [("bit_stall", stall_prefixes, bit_stall_threshold, "bit-stall rate, weights on the 8-bit grid,")] if master_weights == "format" else []
+    checks = ([("bit_stall", stall_prefixes, bit_stall_threshold, "bit-stall rate, weights on the 8-bit grid,")]
+              if master_weights == "format" else [])
     checks += [("lost_update", lost_update_prefixes, bit_stall_threshold, "lost-update share"),
                ("overflow", overflow_prefixes, overflow_threshold, "overflow rate"),
                ("underflow", underflow_prefixes, overflow_threshold, "underflow rate")]
@@ -546,22 +581,26 @@ def _keep_until(records: list[dict], step: int) -> list[dict]:
 
 # %% ../nbs/15_tracking.ipynb #37138a6e
 def truncate_records(run_dir: str | os.PathLike, step: int) -> dict:
-    "Drop every per-step record after `step` from the run's metrics, alerts and histograms; returns {file: records dropped}."
+    """Drop every per-step record after `step` from the run's metrics, alerts and histograms; returns {file: records
+    dropped}."""
     d, step, out = Path(run_dir), int(step), {}
     j, c = d / METRICS_JSONL, d / METRICS_COMPACT
     if j.exists():
         recs = _read_jsonl(j); keep = _keep_until(recs, step)
         if len(keep) < len(recs):
-            _atomic_text(j, "".join(json.dumps({**encode_json(r)}, allow_nan=False) + "\n" for r in keep)); out[j.name] = len(recs) - len(keep)
+            _atomic_text(j, "".join(json.dumps({**encode_json(r)}, allow_nan=False) + "\n" for r in keep))
+            out[j.name] = len(recs) - len(keep)
         c.unlink(missing_ok=True)                                     # rewritten from the JSONL at finish
     elif c.exists():
         recs = read_metrics_compact(c); keep = _keep_until(recs, step)
-        if len(keep) < len(recs): write_metrics_compact(keep, c, meta=_extra_meta(c)); out[c.name] = len(recs) - len(keep)
+        if len(keep) < len(recs):
+            write_metrics_compact(keep, c, meta=_extra_meta(c)); out[c.name] = len(recs) - len(keep)
     for p in (d / "alerts.jsonl", d / "alerts.parquet"):
         if not p.exists(): continue
         recs = read_alerts(p); keep = _keep_until(recs, step)
         if len(keep) == len(recs): continue
-        if p.suffix == ".jsonl": _atomic_text(p, "".join(json.dumps(encode_json(r), allow_nan=False) + "\n" for r in keep))
+        if p.suffix == ".jsonl":
+            _atomic_text(p, "".join(json.dumps(encode_json(r), allow_nan=False) + "\n" for r in keep))
         else: write_metrics_compact(keep, p)
         out[p.name] = len(recs) - len(keep)
     h = d / "histograms.json"
@@ -586,10 +625,12 @@ def rewind(self: Tracker, step: int) -> dict:
 
 # %% ../nbs/15_tracking.ipynb #0dc9cbcc
 class NullTracker:
-    "A `Tracker` that does nothing (data-parallel ranks other than 0; rank 0 logs, its `perf/*` and `nan/source` are its own)."
+    """A `Tracker` that does nothing (data-parallel ranks other than 0; rank 0 logs, its `perf/*` and `nan/source` are
+    its own)."""
     run, run_id, mode, resumed = None, None, "disabled", False
     def log(self, metrics: dict, step: int): pass
-    def alert(self, kind: str, title: str, text: str, level: str = "WARN", step: int | None = None) -> bool: return False
+    def alert(self, kind: str, title: str, text: str, level: str = "WARN", step: int | None = None) -> bool:
+        return False
     def check_thresholds(self, metrics: dict, step: int, cfg=None, **kwargs) -> list[dict]: return []
     def rewind(self, step: int) -> dict: return {}
     def finish(self, exit_code: int | None = None): pass
@@ -600,10 +641,12 @@ class NullTracker:
 # %% ../nbs/15_tracking.ipynb #6d36532f
 COMPACT_COLUMNS = ("step", "train/*", "val/*", "perf/*", "nan/*", "divergence", "*/total", "*/mean", "*/min", "*/max",
                    "grad_cos_sim/global", "grad_cos_sim/quantized_mean", "intervention/*")
-LAYER_COLUMNS = ("overflow/*", "underflow/*", "stall/*", "lost_update/*")   # per layer per step: kept when `layers=True`
+# per layer per step: kept when `layers=True`
+LAYER_COLUMNS = ("overflow/*", "underflow/*", "stall/*", "lost_update/*")
 
 def compact_columns(keys, summary: dict | None = None, layers: bool = True) -> list[str]:
-    "The keys of `keys` that the compact run format keeps (`COMPACT_COLUMNS`, `LAYER_COLUMNS` if `layers`, the fallbacks)."
+    """The keys of `keys` that the compact run format keeps (`COMPACT_COLUMNS`, `LAYER_COLUMNS` if `layers`, the
+    fallbacks)."""
     import fnmatch
     keys = list(keys)
     pats = list(COMPACT_COLUMNS) + (list(LAYER_COLUMNS) if layers else [])
@@ -611,6 +654,7 @@ def compact_columns(keys, summary: dict | None = None, layers: bool = True) -> l
     if summary is None or summary.get("linear_layers") is None: pats.append("grad_norm_l2/*")
     return [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in pats)]
 
+# %% ../nbs/15_tracking.ipynb #9e0f99cc
 def _dir_bytes(d: Path) -> int: return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
 
 def _write_checked(records: list[dict], path: Path, **kw):
@@ -637,14 +681,16 @@ def compact_run(run_dir: str | os.PathLike, keep_histograms: bool = False, layer
     their totals, e.g. a study's)."""
     d = Path(run_dir); before = _dir_bytes(d)
     f = metrics_file(d)
-    if f is None: raise FileNotFoundError(f"{d} holds neither {METRICS_JSONL} nor {METRICS_COMPACT}: is it a run folder?")
+    if f is None:
+        raise FileNotFoundError(f"{d} holds neither {METRICS_JSONL} nor {METRICS_COMPACT}: is it a run folder?")
     recs = read_metrics(f)
     try: summary = json.loads((d / "summary.json").read_text())
     except (OSError, ValueError): summary = None
     if not keep_histograms:
         keep = set(compact_columns(dict.fromkeys(k for r in recs for k in r), summary, layers))
         recs = [{k: v for k, v in r.items() if k in keep} for r in recs]
-    j, c, aj, ap, h = (d / METRICS_JSONL, d / METRICS_COMPACT, d / "alerts.jsonl", d / "alerts.parquet", d / "histograms.json")
+    j, c, aj, ap, h = (d / METRICS_JSONL, d / METRICS_COMPACT, d / "alerts.jsonl", d / "alerts.parquet",
+                       d / "histograms.json")
     alerts = read_alerts(d) if (aj.exists() or ap.exists()) else None
     if alerts is not None and not layers: alerts = thin_alerts(alerts)
     backup = {p: p.read_bytes() for p in (c, ap) if p.exists()}
