@@ -17,7 +17,6 @@ from .regimes import UPDATE_RULES
 from .runs import read_summary
 from .trainer import Trainer, device_info
 
-
 # %% auto #0
 __all__ = ['COMPILE_PROBE', 'BYTES_PER_ELEMENT', 'BLOCK_TARGET', 'DEFAULT_RULES', 'RULE_TARGETS', 'TRAIN_TARGET',
            'DEVICE_TARGETS', 'PROFILE_REGIONS', 'BLOCK_TRAIN_TARGET', 'time_side_by_side', 'bench_quantize',
@@ -45,15 +44,19 @@ def _env(device) -> dict:
     every timing shares the CPU; ratios of interleaved variants suffer less than absolute times)."""
     load = dict(load_average=[round(v, 2) for v in os.getloadavg()], cores=os.cpu_count()) \
         if hasattr(os, "getloadavg") else {}
-    return dict(device=str(device), **{k: v for k, v in device_info(device).items() if v is not None}, threads=torch.get_num_threads(),
+    return dict(device=str(device), **{k: v for k, v in device_info(device).items() if v is not None},
+                threads=torch.get_num_threads(),
                 cpu=platform.processor() or platform.machine(), python=platform.python_version(), **load)
 
+# %% ../nbs/27_bench.ipynb #de2af83f
 def _sync_for(device) -> Callable[[], None]:
     return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
 
+# %% ../nbs/27_bench.ipynb #22098a40
 def bench_quantize(numel: int = 16 * 2**20, formats=None, roundings=("nearest", "stochastic"), repeats: int = 7,
                    device: str | None = None, eager: bool = False, seed: int = 0) -> dict:
-    "Time `quantize` for each format and rounding against `clone` and the native E5M2 round trip; ratios in JSON-able form."
+    """Time `quantize` for each format and rounding against `clone` and the native E5M2 round trip; ratios in
+    JSON-able form."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     formats = list(formats or FORMAT_REGISTRY)
     g = torch.Generator().manual_seed(seed)
@@ -67,7 +70,9 @@ def bench_quantize(numel: int = 16 * 2**20, formats=None, roundings=("nearest", 
     for name in formats:
         for r in roundings:
             fns[f"{name}/{r}"] = (lambda n=name, r=r: quantize(x, n, rounding=r, generator=gen))
-            if eager: fns[f"{name}/{r}/eager"] = (lambda n=name, r=r: quantize(x, n, rounding=r, generator=gen, compiled=False))
+            if eager:
+                fns[f"{name}/{r}/eager"] = (lambda n=name, r=r: quantize(x, n, rounding=r, generator=gen,
+                                                                         compiled=False))
     t = time_side_by_side(fns, repeats=repeats, sync=_sync_for(device))
     base = t["native_e5m2"]
     ratios = {k: round(v / base, 3) for k, v in t.items()}
@@ -82,7 +87,8 @@ def bench_quantize(numel: int = 16 * 2**20, formats=None, roundings=("nearest", 
                 met=all(worst[r] <= targets[r] for r in roundings))
 
 COMPILE_PROBE = 1 << 16
-BYTES_PER_ELEMENT = 8   # one float32 read and one float32 write: the memory floor of any elementwise pass (`clone` measures it)
+BYTES_PER_ELEMENT = 8   # one float32 read and one float32 write: the memory floor of any elementwise pass
+                        # (`clone` measures it)
 
 # %% ../nbs/27_bench.ipynb #756f72ef
 BLOCK_TARGET = 1.5      # goal: quantize_blocks over the tensor-wise quantize of the same element format (amax included)
@@ -100,7 +106,8 @@ def bench_blocks(numel: int = 16 * 2**20, recipes=("mxfp8", "mxfp6", "mxfp4", "n
         fns[n] = lambda n=n: quantize_blocks(x, n)
     t = time_side_by_side(fns, repeats=repeats, sync=_sync_for(device))
     ratios = {n: round(t[n] / t[f"{n}/tensor"], 3) for n in recipes}
-    return dict(benchmark="quantize_blocks", numel=x.numel(), **_env(device), repeats=repeats, first_call_seconds=compile_s,
+    return dict(benchmark="quantize_blocks", numel=x.numel(), **_env(device), repeats=repeats,
+                first_call_seconds=compile_s,
                 seconds={k: float(f"{v:.4g}") for k, v in t.items()}, ratio_to_tensorwise=ratios,
                 target=BLOCK_TARGET, met=max(ratios.values()) <= BLOCK_TARGET)
 
@@ -108,6 +115,7 @@ def bench_blocks(numel: int = 16 * 2**20, recipes=("mxfp8", "mxfp6", "mxfp4", "n
 DEFAULT_RULES = ("nearest", "stochastic", "kahan", "madam_nearest", "lion_nearest")   # regimes.UPDATE_RULES names
 RULE_TARGETS = {"stochastic": 1.05, "kahan": 1.05, "madam_nearest": 1.05}   # step time / nearest's, cpu preset
 
+# %% ../nbs/27_bench.ipynb #cd4ef817
 def _bench_data(tmp, max_docs: int = 200) -> str:
     "A small prepared EurLex folder under `tmp` (from the shared sample when there is one)."
     from pathlib import Path
@@ -116,8 +124,10 @@ def _bench_data(tmp, max_docs: int = 200) -> str:
     prepare_eurlex(out, source=(sd / "eurlex") if sd else None, max_docs=max_docs, progress=False)
     return out
 
+# %% ../nbs/27_bench.ipynb #fc228f0a
 def interleave_steps(trainers: dict, steps: int, warmup: int = 3) -> dict[str, list[float]]:
-    "Step times (`perf/step_time`) of each trainer, one step of each in turn, rotated every round; warmup rounds dropped."
+    """Step times (`perf/step_time`) of each trainer, one step of each in turn, rotated every round; warmup rounds
+    dropped."""
     names = list(trainers)
     times: dict[str, list[float]] = {k: [] for k in names}
     for i in range(warmup + steps):
@@ -127,20 +137,24 @@ def interleave_steps(trainers: dict, steps: int, warmup: int = 3) -> dict[str, l
             if i >= warmup: times[k].append(dt)
     return times
 
+# %% ../nbs/27_bench.ipynb #94ce3adf
 def bench_rules(preset: str = "cpu", fmt: str = "E4M3", steps: int = 30, data_dir: str | None = None, warmup: int = 3,
                 rules=DEFAULT_RULES, shadow: bool = False, **overrides) -> dict:
-    "Median step time of trainers of `preset`, one per update regime (`regimes.UPDATE_RULES` names), interleaved; ratios to `nearest`."
+    """Median step time of trainers of `preset`, one per update regime (`regimes.UPDATE_RULES` names), interleaved;
+    ratios to `nearest`."""
     import tempfile
     from pathlib import Path
     rules = list(dict.fromkeys(["nearest", *rules]))                 # nearest is the baseline: always there, first
     bad = [r for r in rules if r not in UPDATE_RULES]
     if bad: raise ValueError(f"unknown rule(s) {bad}; valid: {', '.join(UPDATE_RULES)}")
     if not fmt: raise ValueError("bench_rules needs an 8-bit format (fmt), the weights live on its grid")
-    if steps < 1 or warmup < 0: raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = str(data_dir) if data_dir else _bench_data(tmp)
         trainers = {k: Trainer(load_config(preset, **{**dict(data_dir=data_dir, out_dir=str(Path(tmp) / k), fmt=fmt,
-                                                             shadow=shadow, max_steps=warmup + steps, wandb_mode="disabled"),
+                                                             shadow=shadow, max_steps=warmup + steps,
+                                                             wandb_mode="disabled"),
                                                       **overrides, **UPDATE_RULES[k].overrides()}), progress=False)
                     for k in rules}
         times = interleave_steps(trainers, steps, warmup)
@@ -150,10 +164,12 @@ def bench_rules(preset: str = "cpu", fmt: str = "E4M3", steps: int = 30, data_di
     ratio = {k: round(v / med["nearest"], 4) for k, v in med.items()}
     targets = {k: v for k, v in RULE_TARGETS.items() if k in ratio}
     return dict(benchmark="train_rules", preset=preset, fmt=fmt, shadow=shadow, steps=steps,
-                warmup=warmup, **_env(device), tokens_per_step=tps, rules={k: UPDATE_RULES[k].overrides() for k in rules},
+                warmup=warmup, **_env(device), tokens_per_step=tps,
+                rules={k: UPDATE_RULES[k].overrides() for k in rules},
                 step_time={k: round(v, 6) for k, v in med.items()}, ratio_to_nearest=ratio, targets=targets,
                 met=all(ratio[k] <= v for k, v in targets.items()))
 
+# %% ../nbs/27_bench.ipynb #d793b8fb
 def unmet_goals(res, path: str = "") -> list[str]:
     "Paths of every `\"met\": false` in a benchmark's JSON (nested dicts included): the goals this run missed."
     if not isinstance(res, dict): return []
@@ -162,21 +178,25 @@ def unmet_goals(res, path: str = "") -> list[str]:
 
 # %% ../nbs/27_bench.ipynb #78957198
 TRAIN_TARGET = 1.15      # goal: the 8-bit step (FP32 master weights) over the plain step of the same preset
-DEVICE_TARGETS = {"cuda": {"": 1.5, "+shadow": 2.0}}   # on a GPU: the 8-bit step over the plain BF16 one, and with the shadow
+DEVICE_TARGETS = {"cuda": {"": 1.5, "+shadow": 2.0}}   # on a GPU: the 8-bit step over the plain BF16 one, and with
+                                                       # the shadow
 
 def train_targets(fmt: str, device) -> dict:
     "The step-ratio goals of `fmt`'s variants on `device`: `TRAIN_TARGET` on the CPU, `DEVICE_TARGETS` elsewhere."
     return {fmt + k: v for k, v in DEVICE_TARGETS.get(str(device).split(":")[0], {"": TRAIN_TARGET}).items()}
 
+# %% ../nbs/27_bench.ipynb #8ae55043
 PROFILE_REGIONS = {"share_in_8bit_layers": ("_QuantizedLinearFn", "_QuantizedLinearFnBackward"),
-                   "share_in_quant_post_step": ("altgrad.quant_post_step",), "share_in_quant_metrics": ("altgrad.quant_metrics",)}
+                   "share_in_quant_post_step": ("altgrad.quant_post_step",),
+                   "share_in_quant_metrics": ("altgrad.quant_metrics",)}
 
 def layer_time_share(trainer, steps: int = 10, top: int = 12) -> dict:
-    """Shares of `trainer`'s wall time over `steps` steps (CPU profiler, so CPU runs only: on a GPU it would count launch
-    time) spent in `PROFILE_REGIONS`: inside the 8-bit layers (forward and backward of every `QuantizedLinear`: their
-    GEMMs, quantization and counters), in `quant_post_step` (grid landing and update statistics) and in `quant_metrics`;
-    and the operators with the most self time. Numerators and denominator are inflated alike by the profiler's overhead;
-    `wall_per_step` is measured under the profiler and is not comparable with `bench_train`'s step times."""
+    """Shares of `trainer`'s wall time over `steps` steps (CPU profiler, so CPU runs only: on a GPU it would count
+    launch time) spent in `PROFILE_REGIONS`: inside the 8-bit layers (forward and backward of every `QuantizedLinear`:
+    their GEMMs, quantization and counters), in `quant_post_step` (grid landing and update statistics) and in
+    `quant_metrics`; and the operators with the most self time. Numerators and denominator are inflated alike by the
+    profiler's overhead; `wall_per_step` is measured under the profiler and is not comparable with `bench_train`'s
+    step times."""
     from torch.profiler import profile, ProfilerActivity
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
@@ -188,6 +208,7 @@ def layer_time_share(trainer, steps: int = 10, top: int = 12) -> dict:
     return dict(steps=steps, wall_per_step=wall / steps, **share,
                 top_self_time_share={e.key: round(e.self_cpu_time_total / 1e6 / wall, 4) for e in ops})
 
+# %% ../nbs/27_bench.ipynb #52e1e276
 def _utilisation(flops: float, step_time: dict, device, amp_dtype) -> dict:
     "Model FLOPs per step and, on CUDA, MFU of each variant against the measured matmul ceiling of the step's dtype."
     out = dict(model_flops_per_step=flops, model_tflops={k: flops / v / 1e12 for k, v in step_time.items()})
@@ -198,6 +219,7 @@ def _utilisation(flops: float, step_time: dict, device, amp_dtype) -> dict:
                    mfu={k: mfu(flops, v, peak) for k, v in step_time.items()})
     return out
 
+# %% ../nbs/27_bench.ipynb #258578a9
 def compile_goals(ratio: dict, fmt: str | None, target: float = TRAIN_TARGET) -> dict:
     """The compiled step's goals from `bench_train`'s ratios (to eager plain): compiled plain faster than eager plain,
     and the compiled 8-bit step within `target` (the device's goal for the 8-bit step) of the compiled plain one."""
@@ -208,6 +230,7 @@ def compile_goals(ratio: dict, fmt: str | None, target: float = TRAIN_TARGET) ->
         out[f"{fmt}+compiled_over_plain+compiled"] = dict(ratio=r, target=target, met=r <= target)
     return out
 
+# %% ../nbs/27_bench.ipynb #75ae9f2b
 BLOCK_TRAIN_TARGET = 1.3   # goal: a block recipe's step (e.g. mxfp8) over the tensor-wise step of `fmt` (E4M3)
 
 def block_goals(med: dict, fmt: str | None, recipes, target: float = BLOCK_TRAIN_TARGET) -> dict:
@@ -215,29 +238,34 @@ def block_goals(med: dict, fmt: str | None, recipes, target: float = BLOCK_TRAIN
     return {f"{r}_over_{fmt}": dict(ratio=med[r] / med[fmt], target=target, met=med[r] / med[fmt] <= target)
             for r in recipes if fmt} if recipes else {}
 
+# %% ../nbs/27_bench.ipynb #ab47da58
 def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, data_dir: str | None = None,
                 warmup: int = 3, profile: int = 0, shadow: bool = True, compiled: bool = False, recipes=(),
                 **overrides) -> dict:
     """Median step time of plain (/ +shadow) (/ fmt / fmt+shadow) trainers of `preset`, interleaved; ratios to plain.
 
-    The goals (`train_targets`: `TRAIN_TARGET` on the CPU, `DEVICE_TARGETS` on a GPU) are the 8-bit step over the plain one. `profile` > 0 adds `layer_time_share` of the 8-bit
-    trainer over that many further steps (the profile that explains the ratio). `compiled` adds `plain+compiled` and
-    `fmt+compiled` (`compile=on`; compiled in the warm-up rounds) and the goals in `compile_goals`. `recipes` (block
-    recipe names) adds one trainer per recipe and `block_goals` (each over `fmt`'s step); `mean_step_time` counts the
-    steps that log (every `log_interval`-th), which the medians leave out."""
+    The goals (`train_targets`: `TRAIN_TARGET` on the CPU, `DEVICE_TARGETS` on a GPU) are the 8-bit step over the
+    plain one. `profile` > 0 adds `layer_time_share` of the 8-bit trainer over that many further steps (the profile
+    that explains the ratio). `compiled` adds `plain+compiled` and `fmt+compiled` (`compile=on`; compiled in the
+    warm-up rounds) and the goals in `compile_goals`. `recipes` (block recipe names) adds one trainer per recipe and
+    `block_goals` (each over `fmt`'s step); `mean_step_time` counts the steps that log (every `log_interval`-th),
+    which the medians leave out."""
     with tempfile.TemporaryDirectory() as tmp:
         if data_dir is None:
             sd = shared_data_dir()
             data_dir = str(Path(tmp) / "data")
             prepare_eurlex(data_dir, source=(sd / "eurlex") if sd else None, max_docs=200, progress=False)
-        variants = {"plain": dict(fmt=None, shadow=False), **({"shadow": dict(fmt=None, shadow=True)} if shadow else {})}
-        if fmt: variants.update({fmt: dict(fmt=fmt, shadow=False), **({f"{fmt}+shadow": dict(fmt=fmt, shadow=True)} if shadow else {})})
+        variants = {"plain": dict(fmt=None, shadow=False),
+                    **({"shadow": dict(fmt=None, shadow=True)} if shadow else {})}
+        if fmt: variants.update({fmt: dict(fmt=fmt, shadow=False),
+                                 **({f"{fmt}+shadow": dict(fmt=fmt, shadow=True)} if shadow else {})})
         if compiled:
             variants.update({"plain+compiled": dict(fmt=None, shadow=False, compile=True),
                              **({f"{fmt}+compiled": dict(fmt=fmt, shadow=False, compile=True)} if fmt else {})})
         variants.update({r: dict(fmt=r, shadow=False) for r in recipes})
         trainers = {k: Trainer(load_config(preset, data_dir=str(data_dir), out_dir=str(Path(tmp) / k.replace("+", "_")),
-                                           max_steps=warmup + steps + profile, wandb_mode="disabled", **{**overrides, **v}), progress=False)
+                                           max_steps=warmup + steps + profile, wandb_mode="disabled",
+                                           **{**overrides, **v}), progress=False)
                     for k, v in variants.items()}
         times = interleave_steps(trainers, steps, warmup)
         prof = layer_time_share(trainers[fmt], profile) if fmt and profile > 0 else None
@@ -257,26 +285,33 @@ def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, 
                 **({"profile": prof} if prof else {}))
 
 # %% ../nbs/27_bench.ipynb #d7b2e9d0
-def peak_matmul_tflops(device: str = "cuda", n: int = 8192, dtype: torch.dtype = torch.bfloat16, repeats: int = 10) -> float:
-    "Measured rate (TFLOP/s) of one dense `n × n × n` product in `dtype` on random data: the ceiling MFU is taken against."
+def peak_matmul_tflops(device: str = "cuda", n: int = 8192, dtype: torch.dtype = torch.bfloat16,
+                       repeats: int = 10) -> float:
+    """Measured rate (TFLOP/s) of one dense `n × n × n` product in `dtype` on random data: the ceiling MFU is taken
+    against."""
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=g).to(device=device, dtype=dtype) for _ in range(2))
     t = time_side_by_side({"mm": lambda: a @ b}, repeats=repeats, warmup=3, sync=_sync_for(device))["mm"]
     return 2 * n ** 3 / t / 1e12
 
+# %% ../nbs/27_bench.ipynb #52ca6e42
 def mfu(flops_per_step: float, step_time: float, peak_tflops: float) -> float:
     "Model FLOP utilisation: the model's FLOPs per second over the measured ceiling."
     return flops_per_step / step_time / (peak_tflops * 1e12)
 
 # %% ../nbs/27_bench.ipynb #ae688464
 def _train_cmd(preset: str, data_dir, out_dir, steps: int, overrides: dict) -> list[str]:
-    return [sys.executable, "-m", "altgrad.trainer", preset, f"data_dir={data_dir}", f"out_dir={out_dir}", f"max_steps={steps}",
+    return [sys.executable, "-m", "altgrad.trainer", preset, f"data_dir={data_dir}", f"out_dir={out_dir}",
+            f"max_steps={steps}",
             "wandb_mode=disabled", *[f"{k}={v}" for k, v in overrides.items()], "--no-progress"]
 
+# %% ../nbs/27_bench.ipynb #8b598821
 def run_wave(n: int, preset: str, data_dir, out, steps: int, overrides: dict | None = None, cpu: bool = True) -> dict:
-    "Start `n` training processes at once (`run_pool`; on CPU one thread each); wall seconds until the last ends, and their median step time."
+    """Start `n` training processes at once (`run_pool`; on CPU one thread each); wall seconds until the last ends,
+    and their median step time."""
     dirs = [Path(out) / f"jobs{n}-{i}" for i in range(n)]
-    jobs = [Job(d.name, _train_cmd(preset, data_dir, d, steps, {**(overrides or {}), "seed": 42 + i}), Path(out) / f"{d.name}.log")
+    jobs = [Job(d.name, _train_cmd(preset, data_dir, d, steps, {**(overrides or {}), "seed": 42 + i}),
+                Path(out) / f"{d.name}.log")
             for i, d in enumerate(dirs)]
     t0 = time.perf_counter()
     codes = run_pool(jobs, n, job_env(cpu), desc=f"wave of {n}", prefix="[altgrad-bench]", poll=0.05, stream=sys.stderr)
@@ -293,9 +328,11 @@ def knee(curve: list[dict], share: float = 0.9, key: str = "runs_per_hour_at_ful
     best = max(w[key] for w in curve)
     return min(w["jobs"] for w in curve if w[key] >= share * best)
 
+# %% ../nbs/27_bench.ipynb #04de1b28
 def bench_jobs(preset: str = "gpu", jobs=(1, 2, 4, 8), steps: int = 200, data_dir: str | None = None,
                knee_share: float = 0.9, **overrides) -> dict:
-    "Runs per hour against concurrent runs per device (`run_wave` for each count in `jobs`); the knee is `--jobs`' default."
+    """Runs per hour against concurrent runs per device (`run_wave` for each count in `jobs`); the knee is
+    `--jobs`' default."""
     cfg = load_config(preset, **overrides)
     full, cpu = cfg.max_steps, runs_on_cpu(cfg)
     with tempfile.TemporaryDirectory() as tmp:
@@ -303,15 +340,17 @@ def bench_jobs(preset: str = "gpu", jobs=(1, 2, 4, 8), steps: int = 200, data_di
         curve = [run_wave(n, preset, data_dir, Path(tmp) / "runs", steps, overrides, cpu) for n in jobs]
         device = read_summary(next((Path(tmp) / "runs").glob("*/summary.json")).parent)["device"]
     for w in curve:
-        w["fixed_s"] = round(max(w["wall_s"] - steps * w["step_time"], 0.0), 2)           # start-up, evals, checkpoints, exit
+        w["fixed_s"] = round(max(w["wall_s"] - steps * w["step_time"], 0.0), 2)   # start-up, evals, checkpoints, exit
         w["runs_per_hour_at_full_length"] = round(3600 * w["jobs"] / (w["fixed_s"] + full * w["step_time"]), 2)
-    return dict(benchmark="jobs", preset=preset, steps=steps, full_length_steps=full, overrides=overrides, **_env(device),
+    return dict(benchmark="jobs", preset=preset, steps=steps, full_length_steps=full, overrides=overrides,
+                **_env(device),
                 curve=curve, knee_share=knee_share, knee=knee(curve, knee_share))
 
 # %% ../nbs/27_bench.ipynb #acace413
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `altgrad-bench` console script."
-    p = argparse.ArgumentParser(prog="altgrad-bench", description="altgrad benchmarks (JSON on stdout; ratios side by side)")
+    p = argparse.ArgumentParser(prog="altgrad-bench",
+                                description="altgrad benchmarks (JSON on stdout; ratios side by side)")
     sub = p.add_subparsers(dest="what", required=True)
     strict = argparse.ArgumentParser(add_help=False)
     strict.add_argument("--strict", action="store_true", help='exit 1 when any goal in the JSON has "met": false')
@@ -324,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--eager", action="store_true", help="also time the eager (uncompiled) kernels")
     q.add_argument("--blocks", default=None, metavar="RECIPE,...",
                    help="also time block recipes against tensor-wise quantize (registered: " + ",".join(RECIPES) + ")")
-    t = sub.add_parser("train", help="step time of an 8-bit run relative to the plain run of the same preset", parents=[strict])
+    t = sub.add_parser("train", help="step time of an 8-bit run relative to the plain run of the same preset",
+                       parents=[strict])
     t.add_argument("--preset", default="cpu")
     t.add_argument("--fmt", default="E4M3")
     t.add_argument("--steps", type=int, default=30)
@@ -332,27 +372,33 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--warmup", type=int, default=3, help="interleaved rounds before timing starts")
     t.add_argument("--rules", nargs="?", const=",".join(DEFAULT_RULES), default=None, metavar="RULE,...",
                    help=f"time update regimes (altgrad.regimes) relative to nearest instead (default list: "
-                        f"{','.join(DEFAULT_RULES)}; also {','.join(k for k in UPDATE_RULES if k not in DEFAULT_RULES)})")
+                        f"{','.join(DEFAULT_RULES)}; "
+                        f"also {','.join(k for k in UPDATE_RULES if k not in DEFAULT_RULES)})")
     t.add_argument("--shadow", action="store_true", help="with --rules: keep the FP32 shadow on in every trainer")
     t.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="also profile the 8-bit trainer over STEPS further steps: share of time in the 8-bit layers, top operators")
+                   help="also profile the 8-bit trainer over STEPS further steps: share of time in the 8-bit layers, "
+                        "top operators")
     t.add_argument("--no-shadow", action="store_true", help="without --rules: leave out the +shadow trainers")
     t.add_argument("--compiled", action="store_true", help="without --rules: also plain and 8-bit with compile=on")
     t.add_argument("--recipes", default="", metavar="RECIPE,...",
                    help="without --rules: also block recipes (e.g. mxfp8), each timed against --fmt's step")
-    t.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the preset's, auto = CUDA when there is one)")
-    j = sub.add_parser("jobs", help="runs per hour against concurrent runs per device; the knee is --jobs' default", parents=[strict])
+    t.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:N (default: the preset's, auto = CUDA when there is one)")
+    j = sub.add_parser("jobs", help="runs per hour against concurrent runs per device; the knee is --jobs' default",
+                       parents=[strict])
     j.add_argument("--preset", default="gpu")
     j.add_argument("--jobs", default="1,2,4,8", help="comma-separated counts of concurrent runs")
     j.add_argument("--steps", type=int, default=200, help="steps per run of each wave")
     j.add_argument("--data-dir", default=None)
-    j.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TrainConfig override of every run (repeatable)")
+    j.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="TrainConfig override of every run (repeatable)")
     a = p.parse_args(argv)
     dev = {"device": a.device} if getattr(a, "device", None) and a.what == "train" else {}
     if a.what == "quantize":
         try: fmts = [get_format(f.strip()).name for f in a.formats.split(",") if f.strip()]
         except ValueError as e: p.error(str(e))
-        res = bench_quantize(a.numel, fmts, tuple(r.strip() for r in a.roundings.split(",")), a.repeats, a.device, a.eager)
+        res = bench_quantize(a.numel, fmts, tuple(r.strip() for r in a.roundings.split(",")), a.repeats, a.device,
+                             a.eager)
         if a.blocks:
             try: recipes = [get_recipe(n.strip()).name for n in a.blocks.split(",") if n.strip()]
             except KeyError as e: p.error(f"--blocks: {e.args[0]}")
@@ -366,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         rules = [r.strip() for r in a.rules.split(",") if r.strip()]
         bad = [r for r in rules if r not in UPDATE_RULES]
         if bad: p.error(f"--rules: unknown rule(s) {bad}; valid: {', '.join(UPDATE_RULES)}")
-        res = bench_rules(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup, rules=rules, shadow=a.shadow, **dev)
+        res = bench_rules(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup,
+                          rules=rules, shadow=a.shadow, **dev)
     else:
         try: recipes = [get_recipe(n.strip()).name for n in a.recipes.split(",") if n.strip()]
         except KeyError as e: p.error(f"--recipes: {e.args[0]}")

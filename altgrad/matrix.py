@@ -16,15 +16,20 @@ __all__ = ['MATRIX_RULES', 'MATRIX_METRICS', 'MATRIX_FILE', 'read_sweep', 'rule_
            'write_matrix']
 
 # %% ../nbs/29_matrix.ipynb #8faa589d
-MATRIX_RULES = ("nearest", "stochastic", "kahan", "madam", "madam_nearest", "lion", "lion_nearest")   # column order: registry names
+# column order: registry names
+MATRIX_RULES = ("nearest", "stochastic", "kahan", "madam", "madam_nearest", "lion", "lion_nearest")
 MATRIX_METRICS = {   # sweep-row key: (heading, number format)
     "final_val_loss": ("Final validation loss (nats/token)", ".4f"),
-    "mean_stall": ("Measured stall: share of 8-bit weights with u ≠ 0 whose code did not move (mean over steps; ⁰: above 0.999, the 8-bit layers effectively frozen)", ".3f"),
-    "mean_pred_stall": ("Share with r = |u|/ulp < ½: the stall round-to-nearest would have (mean over steps; a prediction for `nearest` only)", ".3f"),
+    "mean_stall": ("Measured stall: share of 8-bit weights with u ≠ 0 whose code did not move (mean over steps; "
+                   "⁰: above 0.999, the 8-bit layers effectively frozen)", ".3f"),
+    "mean_pred_stall": ("Share with r = |u|/ulp < ½: the stall round-to-nearest would have (mean over steps; "
+                        "a prediction for `nearest` only)", ".3f"),
     "mean_update_ratio": ("r = |u|/ulp: median over layers of each layer's median (mean over steps)", ".3g"),
-    "mean_rho": ("Fidelity ρ = ⟨Δw,u⟩/‖u‖² (mean over steps; it measures bias only: stochastic rounding is unbiased, so ρ ≈ 1 even where most weights stall)", ".3f"),
+    "mean_rho": ("Fidelity ρ = ⟨Δw,u⟩/‖u‖² (mean over steps; it measures bias only: stochastic rounding is unbiased, "
+                 "so ρ ≈ 1 even where most weights stall)", ".3f"),
 }
 
+# %% ../nbs/29_matrix.ipynb #921f7357
 def read_sweep(d) -> tuple[str, list[dict]]:
     "`(rule, rows)` of the weights-on-grid sweep in folder `d` (its `summary.json`)."
     p = Path(d) / "summary.json"
@@ -42,6 +47,7 @@ def _fmt_key(name: str) -> tuple:
     "Formats in ExMy order: by exponent bits (E0M7, E1M6, ..., E7M0)."
     f = get_format(name); return (f.exp_bits, f.name)
 
+# %% ../nbs/29_matrix.ipynb #e7e57bac
 def rule_matrix(root) -> dict:
     "Every weights-on-grid sweep directly under `root`, tabulated: see the text above for the layout."
     root = Path(root)
@@ -54,7 +60,8 @@ def rule_matrix(root) -> dict:
     rules = [r for r in MATRIX_RULES if r in sweeps] + sorted(r for r in sweeps if r not in MATRIX_RULES)
     formats = sorted({r["fmt"] for _, rows in sweeps.values() for r in rows}, key=_fmt_key)
     cell = lambda rule, fmt: next((r for r in sweeps[rule][1] if r["fmt"] == fmt), None)
-    m = {"rules": rules, "formats": formats, "folders": {r: sweeps[r][0].name for r in rules}, "metrics": {}, "cells": {}}
+    m = {"rules": rules, "formats": formats, "folders": {r: sweeps[r][0].name for r in rules}, "metrics": {},
+         "cells": {}}
     for k in MATRIX_METRICS:
         m["metrics"][k] = {f: {r: (cell(r, f) or {}).get(k) for r in rules} for f in formats}
     for f in formats:
@@ -63,7 +70,8 @@ def rule_matrix(root) -> dict:
             if c is None: continue
             m["cells"][f"{f}/{r}"] = dict(verdict=c.get("verdict"), finished=c.get("finished"), steps=c.get("steps"),
                                          max_steps=c.get("max_steps"), reused_from=c.get("reused_from"),
-                                         ref_val_loss=c.get("ref_val_loss"), run=f"{sweeps[r][0].name}/{c.get('name', f)}",
+                                         ref_val_loss=c.get("ref_val_loss"),
+                                         run=f"{sweeps[r][0].name}/{c.get('name', f)}",
                                          cos=c.get("quantized_cos"))
     return m
 
@@ -75,6 +83,7 @@ def _cell_text(v, spec: str, c: dict | None, frozen: bool = False) -> str:
     if c and c.get("reused_from"): t += "ᵃ"
     return t
 
+# %% ../nbs/29_matrix.ipynb #116bc512
 def matrix_markdown(m: dict, title: str = "Update rules × formats (one seed)", note: str = "") -> str:
     "The markdown of `rule_matrix` output `m`: one table per `MATRIX_METRICS` quantity, then the verdicts."
     L = [f"# {title}", ""]
@@ -84,29 +93,35 @@ def matrix_markdown(m: dict, title: str = "Update rules × formats (one seed)", 
     for k, (head, spec) in MATRIX_METRICS.items():
         L += [f"## {head}", ""] + heads
         for f in m["formats"]:
-            L.append(f"| {f} | " + " | ".join(_cell_text(m["metrics"][k][f][r], spec, m["cells"].get(f"{f}/{r}"), k == "mean_stall")
+            L.append(f"| {f} | " + " | ".join(_cell_text(m["metrics"][k][f][r], spec, m["cells"].get(f"{f}/{r}"),
+                                                         k == "mean_stall")
                                               for r in m["rules"]) + " |")
         L.append("")
     L += ["## Verdicts (requirement 002's criteria, per run)", ""] + heads
     for f in m["formats"]:
-        L.append(f"| {f} | " + " | ".join((m["cells"].get(f"{f}/{r}") or {}).get("verdict") or "—" for r in m["rules"]) + " |")
+        L.append(f"| {f} | " + " | ".join((m["cells"].get(f"{f}/{r}") or {}).get("verdict") or "—"
+                                          for r in m["rules"]) + " |")
     refs = sorted({c["ref_val_loss"] for c in m["cells"].values() if c.get("ref_val_loss") is not None})
     L += [""]
     no_cos = sum(1 for c in m["cells"].values() if c.get("cos") is None)
     if no_cos:
-        L += [f"{no_cos} of {len(m['cells'])} runs have no gradient cosine (FP32 shadow off): a PASS needs a mean cosine above "
+        L += [f"{no_cos} of {len(m['cells'])} runs have no gradient cosine (FP32 shadow off): a PASS needs a mean "
+              "cosine above "
               "0.9 over the 8-bit layers, so those runs are at best INVESTIGATE whatever their loss.", ""]
     if any(c.get("reused_from") for c in m["cells"].values()):
-        L += ["ᵃ reused run: the same grid as the format named in its sweep's summary (E0M7 = 2^-1 × E1M6), not retrained.", ""]
+        L += ["ᵃ reused run: the same grid as the format named in its sweep's summary (E0M7 = 2^-1 × E1M6), "
+              "not retrained.", ""]
     if refs: L += [f"High-precision reference, final validation loss: {', '.join(format(x, '.4f') for x in refs)}.", ""]
     L += ["![matrix](matrix.png)", ""]
     return "\n".join(L)
 
+# %% ../nbs/29_matrix.ipynb #21981f77
 def plot_matrix(m: dict):
     "Final validation loss and measured stall per format, one bar per rule."
     fig, axs = plt.subplots(1, 2, figsize=(12, 4))
     x, w = np.arange(len(m["formats"])), 0.8 / max(1, len(m["rules"]))
-    for ax, k, lab in ((axs[0], "final_val_loss", "final validation loss"), (axs[1], "mean_stall", "measured stall (mean over steps)")):
+    for ax, k, lab in ((axs[0], "final_val_loss", "final validation loss"),
+                       (axs[1], "mean_stall", "measured stall (mean over steps)")):
         for i, r in enumerate(m["rules"]):
             v = [m["metrics"][k][f][r] for f in m["formats"]]
             ax.bar(x + (i - (len(m["rules"]) - 1) / 2) * w, [np.nan if a is None else a for a in v], w, label=r)
@@ -116,10 +131,12 @@ def plot_matrix(m: dict):
     axs[1].set_ylim(0, 1); axs[0].legend(fontsize=8, ncol=2)
     fig.tight_layout(); return fig
 
+# %% ../nbs/29_matrix.ipynb #af00d10e
 MATRIX_FILE = "matrix.json"
 
 def write_matrix(root, title: str | None = None, note: str | None = None) -> Path:
-    """Write `root/summary.md`, `root/matrix.json` and `root/matrix.png` from the sweeps under `root`; returns summary.md.
+    """Write `root/summary.md`, `root/matrix.json` and `root/matrix.png` from the sweeps under `root`; returns
+    summary.md.
 
     `title` and `note` (the settings paragraph) are stored in matrix.json; left None, the stored ones are kept."""
     root = Path(root); m = rule_matrix(root)

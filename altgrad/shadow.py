@@ -20,6 +20,7 @@ def quantized_types() -> tuple[type, ...]:
     "The module classes a shadow must replace by `nn.Linear`."
     return (QuantizedLinear, BlockLinear)
 
+# %% ../nbs/22_shadow.ipynb #307ae9e6
 def _as_linear(q: nn.Module) -> nn.Linear:
     "An `nn.Linear` sharing `q`'s weight and bias Parameters (new FP32 Parameters if `q` exposes plain tensors)."
     w, b = q.weight, getattr(q, "bias", None)
@@ -28,6 +29,7 @@ def _as_linear(q: nn.Module) -> nn.Linear:
     if b is not None: lin.bias = b if isinstance(b, nn.Parameter) else nn.Parameter(b.detach().clone())
     return lin
 
+# %% ../nbs/22_shadow.ipynb #55692572
 def _check_no_twins(model: nn.Module, types: tuple[type, ...]):
     "A module whose class has the name of a type in `types` but is another class (a second copy) would stay quantized."
     want = {t.__name__: t for t in types}
@@ -38,6 +40,7 @@ def _check_no_twins(model: nn.Module, types: tuple[type, ...]):
                             f"{t.__module__}.{t.__qualname__} the FP32 shadow replaces (two copies of the class, e.g. "
                             "one redefined in a notebook): build the model with the library's classes")
 
+# %% ../nbs/22_shadow.ipynb #948902c5
 def plain_fp32_copy(model: nn.Module, types: tuple[type, ...] | None = None) -> tuple[nn.Module, dict[str, str]]:
     "(FP32 deep copy of `model` with modules of `types` replaced by `nn.Linear`, {copy param name: model param name})."
     types = quantized_types() if types is None else tuple(types)
@@ -78,7 +81,8 @@ class FP32ShadowModel:
         with torch.no_grad():
             for n, p in self.params.items():
                 if self.names[n] not in src:
-                    raise KeyError(f"the trained model has no parameter {self.names[n]!r} (shadow {n!r}); was it rebuilt?")
+                    raise KeyError(f"the trained model has no parameter {self.names[n]!r} (shadow {n!r}); "
+                                   "was it rebuilt?")
                 p.copy_(src[self.names[n]])
         self.model.train(model.training)
 
@@ -113,6 +117,7 @@ def _cos(d: float, aa: float, bb: float) -> float:
     c = d / (math.sqrt(aa) * math.sqrt(bb))
     return max(-1.0, min(1.0, c)) if math.isfinite(c) else c
 
+# %% ../nbs/22_shadow.ipynb #62176437
 def grad_cosine(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], prefix: str = "grad_cos_sim/") -> dict[str, float]:
     "`{prefix+name: cos}` for `{name: (grad_a, grad_b)}` plus `mean`, `min` and `global` (one device sync)."
     return queue_grad_cosine(HostRead(), pairs, prefix).metrics()
@@ -125,6 +130,7 @@ def queue_grad_cosine(reads: HostRead, pairs: dict, prefix: str = "grad_cos_sim/
     dots = torch.stack([_dots(*pairs[n]) for n in names])
     return reads.add(dots, lambda v: _cosines(pairs, names, [v[3 * i: 3 * i + 3] for i in range(len(names))], prefix))
 
+# %% ../nbs/22_shadow.ipynb #d8c198e9
 def _cosines(pairs: dict, names: list, vals: list, prefix: str) -> dict[str, float]:
     for i, n in enumerate(names):   # float32 overflow (not NaN input): redo this tensor in float64
         if not all(map(math.isfinite, vals[i])) and all(bool(torch.isfinite(t).all()) for t in pairs[n]):
@@ -147,8 +153,10 @@ def _queue_cosine(self: FP32ShadowModel, reads: HostRead, model: nn.Module) -> H
     return queue_grad_cosine(reads, pairs)
 FP32ShadowModel.queue_cosine = _queue_cosine
 
+# %% ../nbs/22_shadow.ipynb #6f779bd8
 def _cosine(self: FP32ShadowModel, model: nn.Module) -> dict[str, float]:
-    "Per-parameter (`grad_cos_sim/<name>`) and `mean`/`min`/`global` cosine between `model`'s and the shadow's gradients."
+    """Per-parameter (`grad_cos_sim/<name>`) and `mean`/`min`/`global` cosine between `model`'s and the shadow's
+    gradients."""
     return self.queue_cosine(HostRead(), model).metrics()
 FP32ShadowModel.cosine = _cosine
 

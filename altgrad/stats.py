@@ -18,6 +18,7 @@ T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2
         2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272)
 _T975_TAIL = ((30, 2.042272), (40, 2.021075), (60, 2.000298), (120, 1.979930), (math.inf, 1.959964))
 
+# %% ../nbs/28_stats.ipynb #f98a0c7a
 def scipy_stats():
     "`scipy.stats`, or None where scipy is not installed."
     try:
@@ -25,6 +26,7 @@ def scipy_stats():
         return stats
     except ImportError: return None
 
+# %% ../nbs/28_stats.ipynb #00ec1178
 def t_crit(df: int, conf: float = 0.95, use_scipy: bool | None = None) -> float:
     """Two-sided critical value of Student's t: the (1+conf)/2 quantile with `df` degrees of freedom.
 
@@ -44,6 +46,7 @@ def t_crit(df: int, conf: float = 0.95, use_scipy: bool | None = None) -> float:
             x0, x1, x = 1 / d0, 1 / d1, 1 / df          # 1/inf = 0
             return t1 + (t0 - t1) * (x - x1) / (x0 - x1)
 
+# %% ../nbs/28_stats.ipynb #500103cc
 def _t_crit_bisect(df: int, conf: float) -> float:
     "The two-sided critical value at `conf` by bisection on `t_two_sided_p` (defined below; any conf, no scipy)."
     alpha, lo, hi = 1 - conf, 0.0, 1.0
@@ -59,11 +62,13 @@ def finite(v) -> bool:
     "Is `v` a finite real number (bools, None and NaN are not)?"
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
 
+# %% ../nbs/28_stats.ipynb #8018d830
 def mean_of(vals) -> float | None:
     "Mean of the finite values (None when there are none)."
     v = [x for x in vals if finite(x)]
     return math.fsum(v) / len(v) if v else None
 
+# %% ../nbs/28_stats.ipynb #b3ee9b1d
 def mean_ci(values, conf: float = 0.95, use_scipy: bool | None = None) -> dict:
     """Mean, sample SD and the two-sided t-interval `lo..hi = mean ± half` over the finite `values`.
 
@@ -79,6 +84,7 @@ def mean_ci(values, conf: float = 0.95, use_scipy: bool | None = None) -> dict:
         out.update(sd=sd, half=half, lo=m - half, hi=m + half)
     return out
 
+# %% ../nbs/28_stats.ipynb #2270cc44
 def paired_seeds(*maps) -> list:
     "The seeds (keys of the first map, sorted) where every map has a finite value."
     return [s for s in sorted(maps[0]) if all(s in m and finite(m[s]) for m in maps)]
@@ -112,7 +118,9 @@ def ratio_ci(num, den, conf: float = 0.95, use_scipy: bool | None = None) -> dic
     out.update(lo=(B - math.sqrt(disc)) / A, hi=(B + math.sqrt(disc)) / A, bounded=True)
     return out
 
-def recovered_fraction(nearest: dict, treated: dict, upper: dict, conf: float = 0.95, use_scipy: bool | None = None) -> dict:
+# %% ../nbs/28_stats.ipynb #713ac9fb
+def recovered_fraction(nearest: dict, treated: dict, upper: dict, conf: float = 0.95,
+                       use_scipy: bool | None = None) -> dict:
     """Share of the master-weight gap a rule closes over the seeds where all three finished: R = mean benefit / mean gap
     (benefit L_near − L_rule, gap L_near − L_fp32) with Fieller's interval (`ratio_ci`); `resolved`: the gap's interval
     lies above 0 (a gap resolved *negative*, nearest beating FP32 master weights, leaves nothing to recover); `gap`: its
@@ -120,7 +128,8 @@ def recovered_fraction(nearest: dict, treated: dict, upper: dict, conf: float = 
     seeds = paired_seeds(nearest, treated, upper)
     d = [nearest[s] - treated[s] for s in seeds]; g = [nearest[s] - upper[s] for s in seeds]
     r = ratio_ci(d, g, conf, use_scipy)
-    r.update(resolved=r["bounded"] and r["mean"] is not None and math.fsum(g) > 0, gap=mean_ci(g, conf, use_scipy), seeds=seeds,
+    r.update(resolved=r["bounded"] and r["mean"] is not None and math.fsum(g) > 0, gap=mean_ci(g, conf, use_scipy),
+             seeds=seeds,
              per_seed={str(s): (x / y if y else None) for s, x, y in zip(seeds, d, g)})
     return r
 
@@ -129,9 +138,10 @@ def _norm_cdf(x: np.ndarray) -> np.ndarray:
     return 0.5 * np.array([math.erfc(-v / math.sqrt(2)) for v in np.ravel(x)]).reshape(np.shape(x))
 
 def power_paired(effect: float, sd: float, n: int, alpha: float = 0.05, points: int = 4001) -> float:
-    """Power of the two-sided paired t-test at level `alpha` with `n` pairs whose differences have mean `effect` and SD `sd`
-    (noncentral t, integrated over the chi distribution of the sample SD on `points` nodes)."""
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2: raise ValueError(f"n must be an integer >= 2, got {n!r}")
+    """Power of the two-sided paired t-test at level `alpha` with `n` pairs whose differences have mean `effect` and
+    SD `sd` (noncentral t, integrated over the chi distribution of the sample SD on `points` nodes)."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
+        raise ValueError(f"n must be an integer >= 2, got {n!r}")
     if not (finite(sd) and sd > 0): raise ValueError(f"sd must be a positive number, got {sd!r}")
     if not finite(effect): raise ValueError(f"effect must be a finite number, got {effect!r}")
     k = n - 1; tc = t_crit(k, 1 - alpha); delta = abs(effect) * math.sqrt(n) / sd
@@ -139,11 +149,14 @@ def power_paired(effect: float, sd: float, n: int, alpha: float = 0.05, points: 
     logg = math.log(2) + (k / 2) * math.log(k / 2) + (k - 1) * np.log(s) - k * s * s / 2 - math.lgamma(k / 2)
     g = np.exp(logg)
     tail = (1 - _norm_cdf(tc * s - delta)) + _norm_cdf(-tc * s - delta)
-    s, g, tail = np.concatenate([[0.0], s]), np.concatenate([[0.0 if k > 1 else g[0]], g]), np.concatenate([[1.0], tail])
+    s, g, tail = (np.concatenate([[0.0], s]), np.concatenate([[0.0 if k > 1 else g[0]], g]),
+                  np.concatenate([[1.0], tail]))
     return float(np.trapezoid(g * tail, s) / np.trapezoid(g, s))
 
+# %% ../nbs/28_stats.ipynb #7ee9295c
 def min_detectable_effect(sd: float, n: int, power: float = 0.8, alpha: float = 0.05) -> float:
-    "The smallest mean paired difference that the two-sided paired t-test of `n` pairs (SD `sd`) resolves with probability `power`."
+    """The smallest mean paired difference that the two-sided paired t-test of `n` pairs (SD `sd`) resolves with
+    probability `power`."""
     if not 0 < power < 1: raise ValueError(f"power must be in (0, 1), got {power!r}")
     if power <= alpha: return 0.0
     lo, hi = 0.0, sd
@@ -160,6 +173,7 @@ def overlaps(a: dict, b: dict) -> bool:
     if a.get("lo") is None or b.get("lo") is None: return True
     return a["lo"] <= b["hi"] and b["lo"] <= a["hi"]
 
+# %% ../nbs/28_stats.ipynb #de2b3d20
 def rank_by_benefit(benefits: dict) -> list[dict]:
     "`{format: mean_ci-like dict}` -> rows sorted by mean (best first) with `tier` and `separable_from_next`."
     rows = [dict(fmt=k, mean=v["mean"], lo=v.get("lo"), hi=v.get("hi")) for k, v in benefits.items()
@@ -174,6 +188,7 @@ def rank_by_benefit(benefits: dict) -> list[dict]:
         r.update(tier=tier, separable_from_next=None)
     return rows
 
+# %% ../nbs/28_stats.ipynb #addada4d
 def ranking_text(rows: list[dict]) -> str:
     "`E4M3 > E5M2 ≈ E3M4`: '>' where neighbouring intervals separate, '≈' (not separable) where they overlap."
     if not rows: return "nothing to rank"
@@ -193,9 +208,10 @@ def rankdata(x) -> np.ndarray:
         i = j + 1
     return r
 
+# %% ../nbs/28_stats.ipynb #846aef2a
 def spearman(x, y, exact_max: int = 8, n_perm: int = 20000, seed: int = 0) -> dict:
-    """Spearman's rho of the pairs (x_i, y_i) (pairs with a None/NaN left out), `n`, and a two-sided permutation p-value.
-    rho is None for n < 3 or when either side is constant."""
+    """Spearman's rho of the pairs (x_i, y_i) (pairs with a None/NaN left out), `n`, and a two-sided permutation
+    p-value. rho is None for n < 3 or when either side is constant."""
     pairs = [(float(a), float(b)) for a, b in zip(x, y) if finite(a) and finite(b)]
     n = len(pairs); out = dict(rho=None, n=n, p=None, p_method=None)
     if n < 3: return out
@@ -206,7 +222,8 @@ def spearman(x, y, exact_max: int = 8, n_perm: int = 20000, seed: int = 0) -> di
     rho = float((cx * cy).sum()) / den
     if n <= exact_max:
         perms = np.array(list(itertools.permutations(ry)))
-        hits, total, how = int((np.abs(perms @ cx / den) >= abs(rho) - 1e-12).sum()), len(perms), f"exact over {len(perms)} orders"
+        hits, total, how = (int((np.abs(perms @ cx / den) >= abs(rho) - 1e-12).sum()), len(perms),
+                            f"exact over {len(perms)} orders")
         p = hits / total
     else:
         rng = np.random.default_rng(seed)
@@ -234,19 +251,23 @@ def betainc_reg(a: float, b: float, x: float) -> float:
         if abs(1.0 - c * d) < 1e-15: break
     return front * (f - 1.0)
 
+# %% ../nbs/28_stats.ipynb #b83693da
 def t_two_sided_p(t: float, df: int) -> float:
     "P(|T| >= |t|) for Student's t with `df` degrees of freedom."
     if not (finite(df) and df > 0): raise ValueError(f"df must be positive, got {df!r}")
     return betainc_reg(df / 2, 0.5, df / (df + t * t)) if math.isfinite(t) else 0.0
 
+# %% ../nbs/28_stats.ipynb #1f96ae4f
 def paired_test(control: dict, treated: dict, conf: float = 0.95) -> dict:
-    "`paired_benefit` (d_s = control − treated per seed) plus the paired t statistic `t` and its two-sided `p` (None below 2 pairs or SD 0)."
+    """`paired_benefit` (d_s = control − treated per seed) plus the paired t statistic `t` and its two-sided `p`
+    (None below 2 pairs or SD 0)."""
     r = paired_benefit(control, treated, conf)
     r.update(t=None, p=None)
     if r["n"] >= 2 and r["sd"]:
         r["t"] = r["mean"] / (r["sd"] / math.sqrt(r["n"])); r["p"] = t_two_sided_p(r["t"], r["n"] - 1)
     return r
 
+# %% ../nbs/28_stats.ipynb #eea7501f
 def holm(pvals: dict) -> dict:
     "Holm's step-down adjusted p-values of a family `{key: p or None}` (None stays None and does not count in m)."
     keys = sorted((k for k, p in pvals.items() if p is not None), key=lambda k: pvals[k])

@@ -4,7 +4,8 @@
 
 # %% ../nbs/26_trainer.ipynb #4326d032
 from __future__ import annotations
-import argparse, contextlib, json, math, os, random, signal, statistics, sys, tempfile, threading, time, traceback, warnings
+import argparse, contextlib, json, math, os, random, signal, statistics, sys, tempfile, threading, time, traceback, \
+    warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -43,7 +44,8 @@ __all__ = ['lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists', 
 
 # %% ../nbs/26_trainer.ipynb #0d777810
 def lr_at(step: int, cfg) -> float:
-    "Learning rate of optimizer step `step` (1-based): linear warmup, cosine decay to `min_lr` at `decay_steps`, then flat."
+    """Learning rate of optimizer step `step` (1-based): linear warmup, cosine decay to `min_lr` at `decay_steps`,
+    then flat."""
     if step < 0: raise ValueError(f"step must be >= 0, got {step}")
     w, d = cfg.warmup_steps, cfg.decay_steps
     if w > 0 and step <= w: return cfg.lr * step / w
@@ -53,28 +55,34 @@ def lr_at(step: int, cfg) -> float:
 
 # %% ../nbs/26_trainer.ipynb #bb1af6b9
 def load_data(cfg: TrainConfig) -> TokenData:
-    "The prepared data a model of `cfg.vocab_size` classes reads from `cfg.data_dir` (`data.data_for_vocab`; clear errors)."
+    """The prepared data a model of `cfg.vocab_size` classes reads from `cfg.data_dir` (`data.data_for_vocab`;
+    clear errors)."""
     d = Path(cfg.data_dir)
     if not (d / "meta.json").is_file():
         raise FileNotFoundError(
             f"data_dir={cfg.data_dir!r} holds no prepared data (no {d / 'meta.json'}). Prepare it once with "
             f"`altgrad-prepare --source ../shared/data/eurlex --out {cfg.data_dir}` (from the repo root) "
             f"or pass data_dir=DIR of an already prepared folder")
-    try: td = TokenData(data_for_vocab(d, cfg.vocab_size))     # vocab_size < GPT-2's: its top-vocab_size folder, made once
+    try: td = TokenData(data_for_vocab(d, cfg.vocab_size))  # vocab_size < GPT-2's: its top-vocab_size folder, made once
     except ValueError as e: raise ConfigError(str(e)) from None
     for s in ("train", "val"):
-        if s not in td.splits: raise ValueError(f"data_dir={cfg.data_dir!r} has no {s!r} split (it has {td.splits}); re-prepare it")
-        if len(td[s]) <= cfg.block_size: raise ValueError(f"the {s} split of {cfg.data_dir!r} has {len(td[s])} tokens, fewer than block_size+1={cfg.block_size + 1}")
+        if s not in td.splits:
+            raise ValueError(f"data_dir={cfg.data_dir!r} has no {s!r} split (it has {td.splits}); re-prepare it")
+        if len(td[s]) <= cfg.block_size: raise ValueError(f"the {s} split of {cfg.data_dir!r} has {len(td[s])} tokens, "
+                                                          f"fewer than block_size+1={cfg.block_size + 1}")
     if td.n_vocab > cfg.vocab_size:
-        raise ConfigError(f"vocab_size={cfg.vocab_size} is smaller than the data's tokenizer vocabulary ({td.n_vocab}); use vocab_size>={td.n_vocab}")
+        raise ConfigError(f"vocab_size={cfg.vocab_size} is smaller than the data's tokenizer vocabulary "
+                          f"({td.n_vocab}); use vocab_size>={td.n_vocab}")
     return td
 
+# %% ../nbs/26_trainer.ipynb #ce0192d3
 def seed_everything(seed: int):
     "Seed python's, numpy's and torch's (CPU and CUDA) global generators."
     random.seed(seed); np.random.seed(seed % 2**32); torch.manual_seed(seed)
 
 def build_model(cfg: TrainConfig) -> nn.Module:
-    "The GPT of `cfg`, initialised from `cfg.seed`, with 8-bit linears per `cfg.fmt`/`cfg.layer_formats` (altgrad.quantized)."
+    """The GPT of `cfg`, initialised from `cfg.seed`, with 8-bit linears per `cfg.fmt`/`cfg.layer_formats`
+    (altgrad.quantized)."""
     seed_everything(cfg.seed)
     model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                           n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias))
@@ -90,9 +98,11 @@ def run_state(run_dir) -> tuple[str, dict]:
     if not isinstance(s, dict): s = {}
     if run_status(s) in DONE: return "finished", s
     if any((d / "checkpoints").glob("step_*.pt")): return "interrupted", s
-    logged = any(p.exists() and p.stat().st_size for p in (d / "summary.json", d / "metrics.jsonl", d / "metrics.parquet"))
+    logged = any(p.exists() and p.stat().st_size
+                 for p in (d / "summary.json", d / "metrics.jsonl", d / "metrics.parquet"))
     return ("partial" if logged else "empty"), s
 
+# %% ../nbs/26_trainer.ipynb #cc330c11
 def move_to_previous(run_dir) -> Path:
     "Move the run files of `run_dir` (`RUN_FILES`) into `run_dir/_previous/<time>/`; returns that folder."
     d = Path(run_dir); dst = d / "_previous" / time.strftime("%Y%m%d_%H%M%S")
@@ -101,8 +111,10 @@ def move_to_previous(run_dir) -> Path:
     for p in run_files(d): os.replace(p, dst / p.name)
     return dst
 
+# %% ../nbs/26_trainer.ipynb #7c3912d0
 def claim_out_dir(run_dir, cfg: TrainConfig, overwrite: bool = False) -> bool:
-    "Make `run_dir` ready for a fresh run of `cfg`; True: it holds an interrupted run of this config, resume it (see above)."
+    """Make `run_dir` ready for a fresh run of `cfg`; True: it holds an interrupted run of this config, resume it
+    (see above)."""
     d = Path(run_dir); state, s = run_state(d)
     if state == "empty": return False
     at = f"step {s.get('final_step', '?')} of {s.get('max_steps', cfg.max_steps)}"
@@ -111,7 +123,8 @@ def claim_out_dir(run_dir, cfg: TrainConfig, overwrite: bool = False) -> bool:
         if state == "interrupted" and not diff:
             notice(f"{d} holds an interrupted run of this config ({at}): resuming it"); return True
         what = "a finished run" if state == "finished" else "an interrupted run of another config"
-        raise RunExists(f"{d} holds {what} ({at}" + (f"; {'; '.join(diff[:3])}" + (" ..." if len(diff) > 3 else "") if diff else "")
+        raise RunExists(f"{d} holds {what} ({at}"
+                        + (f"; {'; '.join(diff[:3])}" + (" ..." if len(diff) > 3 else "") if diff else "")
                         + "): refusing to replace it; pass --overwrite (overwrite=True) to move it to "
                         + f"{d / '_previous'}/ and start afresh, resume=true to continue it, or another out_dir")
     dst = move_to_previous(d)
@@ -121,12 +134,16 @@ def claim_out_dir(run_dir, cfg: TrainConfig, overwrite: bool = False) -> bool:
 # %% ../nbs/26_trainer.ipynb #b30a7371
 _RESUME_FIXED = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "batch_size", "grad_accum", "fmt",
                  "fmt_backward", "scaling", "granularity", "block_size_q", "amax_history_len", "amax_algo",
-                 "master_weights", "quantize_grads", "layer_formats", "rounding", "margin", "optimizer", "weight_update",
+                 "master_weights", "quantize_grads", "layer_formats", "rounding", "margin", "optimizer",
+                 "weight_update",
                  "residual_dtype")
 
+# %% ../nbs/26_trainer.ipynb #224d8524
 class Trainer:
-    "Train `cfg`'s GPT on its data: every diagnostic every step, the requirements' NaN policy, checkpoints and exact resume."
-    def __init__(self, cfg: TrainConfig, tracker: Tracker | None = None, fault: Callable | None = None, progress: bool = True,
+    """Train `cfg`'s GPT on its data: every diagnostic every step, the requirements' NaN policy, checkpoints and
+    exact resume."""
+    def __init__(self, cfg: TrainConfig, tracker: Tracker | None = None, fault: Callable | None = None,
+                 progress: bool = True,
                  overwrite: bool = False):
         self.cfg, self.tracker, self.fault, self.progress = cfg, tracker, fault, progress
         self.device = device_for(resolve_device(cfg))        # torchrun: cuda -> cuda:LOCAL_RANK (cuda:N is refused)
@@ -144,19 +161,23 @@ class Trainer:
             quantized.set_distributed(self.model, self.rank, self.world)
             if self.rank: seed_everything(cfg.seed + 7919 * self.rank)   # dropout: each rank its own masks
             dev = torch.device(self.device)
-            with warnings.catch_warnings():     # newer torch calls it deprecated but still advises it for rank-local buffers
+            # newer torch calls it deprecated but still advises it for rank-local buffers
+            with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
                 self.ddp = DistributedDataParallel(self.model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                                   broadcast_buffers=False)   # scaling state is reduced, never overwritten
+                                                   broadcast_buffers=False)   # scaling state: reduced, not overwritten
         net = self.ddp if self.ddp is not None else self.model
         self.compiled = compile_enabled(cfg, self.dev_type)        # the forward and backward under torch.compile
         self.fwd = torch.compile(net) if self.compiled else net
         self.lr_scale = lr_scale_of(cfg)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.lr * self.lr_scale, cfg.weight_decay, (cfg.beta1, cfg.beta2),
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.lr * self.lr_scale, cfg.weight_decay,
+                                         (cfg.beta1, cfg.beta2),
                                          self.dev_type, grid_params=grid_params(self.model, cfg),
                                          **({"seed": cfg.seed} if get_optimizer(cfg.optimizer).takes_seed else {}))
-        self.grid_step = GridStep(self.model, self.optimizer, cfg.regime.optimizer_spec)   # what nanoGPT's optimizer.step() is
-        self.train_gen = torch.Generator().manual_seed(cfg.seed if cfg.data_seed is None else cfg.data_seed)   # the data order
+        # what nanoGPT's optimizer.step() is
+        self.grid_step = GridStep(self.model, self.optimizer, cfg.regime.optimizer_spec)
+        self.train_gen = torch.Generator().manual_seed(cfg.seed if cfg.data_seed is None      # the data order
+                                                       else cfg.data_seed)
         self.init_step = None                                     # a branch: the trunk step it started from
         self.shadow = FP32ShadowModel(self.model) if cfg.shadow else None
         self.dead = DeadNeuronTracker(cfg.dead_neuron_threshold, cfg.dead_neuron_window)
@@ -169,7 +190,8 @@ class Trainer:
         # a fresh run never replaces a finished or interrupted one; an interrupted run of this very config is resumed
         resume = cfg.resume or broadcast_object(claim_out_dir(self.run_dir, cfg, overwrite) if self.main else None)
         barrier()
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint_interval, cfg.keep_last, cfg.keep_best,
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint_interval, cfg.keep_last,
+                                      cfg.keep_best,
                                       clean_temp=self.main)
         if resume: self.resume()
         if cfg.init_from and self.resumed_from is None: self.branch(cfg.init_from)
@@ -198,28 +220,34 @@ class Trainer:
 def _sync(dev_type: str):
     if dev_type == "cuda": torch.cuda.synchronize()
 
+# %% ../nbs/26_trainer.ipynb #19656bdb
 def compile_enabled(cfg, dev_type: str) -> bool:
     """Does the run train under `torch.compile`? `compile` on (True) or off (False) as set; 'auto': on CUDA (the eager
     step is bound by kernel launches there), off on the CPU (measured in `altgrad-bench train`: not faster there)."""
     return cfg.compile is True or (cfg.compile == "auto" and dev_type == "cuda")
 
+# %% ../nbs/26_trainer.ipynb #67f9a540
 def lr_scale_of(cfg) -> float:
     "Factor from the schedule's `lr` to the optimizer's: `cfg.effective_lr_scale`, or `optim.default_lr_scale`."
     s = cfg.effective_lr_scale
     return s if s is not None else default_lr_scale(cfg.optimizer)
 
+# %% ../nbs/26_trainer.ipynb #57380599
 def grid_params(model: nn.Module, cfg) -> dict | None:
-    "Per-parameter optimizer options when the weights live on the grid: the registry entry's hook (`OptimizerSpec.grid_params`)."
+    """Per-parameter optimizer options when the weights live on the grid: the registry entry's hook
+    (`OptimizerSpec.grid_params`)."""
     hook = get_optimizer(cfg.optimizer).grid_params
     if hook is None or cfg.master_weights != "format": return None
     return hook(quantized.quantized_layers(model), cfg)
 
+# %% ../nbs/26_trainer.ipynb #4f19cb84
 def quantized_cosine(m: dict, model: nn.Module) -> dict:
     "`grad_cos_sim/quantized_mean`: the mean shadow cosine over the 8-bit layers' weights (the headline cosine)."
     vals = [m.get(f"grad_cos_sim/{name}.weight") for name, _ in quantized.quantized_layers(model)]
     vals = [v for v in vals if v is not None]
     return {"grad_cos_sim/quantized_mean": sum(vals) / len(vals)} if vals else {}
 
+# %% ../nbs/26_trainer.ipynb #dd9a7893
 def layer_census(model: nn.Module) -> dict:
     "How many linear layers the model has (a tied LM head excluded: it shares the embedding) and which are 8-bit."
     tied = quantized._tied_linears(model)
@@ -228,6 +256,7 @@ def layer_census(model: nn.Module) -> dict:
     names = [n for n, _ in model.named_modules() if n in low]
     return dict(linear_layers=len(linears), quantized_layers=len(names), quantized_layer_names=names)
 
+# %% ../nbs/26_trainer.ipynb #8d6a2f1e
 @patch
 def logs_step(self: Trainer, step: int, skipped: bool = False) -> bool:
     """Whether `fit` logs `step`'s metrics: every `log_interval`-th step, the last, the evaluation steps and the skipped
@@ -235,6 +264,7 @@ def logs_step(self: Trainer, step: int, skipped: bool = False) -> bool:
     cfg = self.cfg
     return step % cfg.log_interval == 0 or step >= cfg.max_steps or step % cfg.eval_interval == 0 or skipped
 
+# %% ../nbs/26_trainer.ipynb #58fbc5f0
 def _block_key(key: str, names: set, overflow_max: bool) -> bool:
     "Whether metric `key` is a block layer's diagnostic (`<figure>/<layer>/<operand>` of a layer in `names`)."
     parts = key.split("/")
@@ -242,9 +272,10 @@ def _block_key(key: str, names: set, overflow_max: bool) -> bool:
 
 @patch
 def check_alerts(self: Trainer, m: dict, step: int) -> list[dict]:
-    """Alert on the breached thresholds of `m` (`tracking.find_breaches`). The 8-bit layers' breaches go to the tracker's
-    `check_thresholds` as always. A block layer's (FP4 elements saturate and underflow at every step by design) fires
-    once when its condition starts: when its kind was not breached on the last step that had block diagnostics."""
+    """Alert on the breached thresholds of `m` (`tracking.find_breaches`). The 8-bit layers' breaches go to the
+    tracker's `check_thresholds` as always. A block layer's (FP4 elements saturate and underflow at every step by
+    design) fires once when its condition starts: when its kind was not breached on the last step that had block
+    diagnostics."""
     blk = {n for n, _ in quantized.block_layers(self.model)}
     if not blk: return self.tracker.check_thresholds(m, step, self.cfg)
     ovf_max = not quantized.quantized_layers(self.model)              # overflow/max is the block layers' alone
@@ -257,6 +288,7 @@ def check_alerts(self: Trainer, m: dict, step: int) -> list[dict]:
     self._block_breached = {b["kind"] for b in now}
     return out + now
 
+# %% ../nbs/26_trainer.ipynb #e97e0e6c
 @patch
 def train_step(self: Trainer) -> dict:
     "Run one optimizer step (or skip it when non-finite); returns the step's metrics."
@@ -297,7 +329,7 @@ def train_step(self: Trainer) -> dict:
     if finite:
         before = snapshot_params(model)
         if cfg.grad_clip > 0: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        self.grid_step.step(before)                               # snapshot, optimizer.step(), landing, statistics (altgrad.step)
+        self.grid_step.step(before)            # snapshot, optimizer.step(), landing, statistics (altgrad.step)
         queue_zero_update_metrics(post, before, dict(model.named_parameters()))
         self.nan_streak = 0
     else:
@@ -321,6 +353,7 @@ def train_step(self: Trainer) -> dict:
     if self.shadow is not None: m["perf/shadow_time"] = t_shadow
     return m
 
+# %% ../nbs/26_trainer.ipynb #2fd755fc
 def _skip_draw(n_tokens: int, cfg, gen: torch.Generator):
     "Advance `gen` exactly as `data.get_batch` does for one batch, without reading the data (another rank's slot)."
     batch_starts(n_tokens, cfg.block_size, cfg.batch_size, gen)
@@ -342,15 +375,18 @@ def eval_windows(n_tokens: int, block_size: int, eval_tokens: int) -> np.ndarray
     n, last = -(-int(eval_tokens) // block_size), n_tokens - block_size - 1   # windows; the last possible start
     if n < 1: raise ValueError(f"eval_tokens must be > 0, got {eval_tokens}")
     if n * block_size > n_tokens - 1:
-        raise ConfigError(f"eval_tokens={eval_tokens} needs {n} windows of block_size={block_size} tokens, more than the "
-                          f"validation split's {n_tokens:,} tokens hold without overlap; use eval_tokens<={(n_tokens - 1) // block_size * block_size}")
+        raise ConfigError(f"eval_tokens={eval_tokens} needs {n} windows of block_size={block_size} tokens, more "
+                          f"than the validation split's {n_tokens:,} tokens hold without overlap; "
+                          f"use eval_tokens<={(n_tokens - 1) // block_size * block_size}")
     return np.array([i * last // max(n - 1, 1) for i in range(n)], dtype=np.int64)
 
+# %% ../nbs/26_trainer.ipynb #6aac751b
 def window_batch(data, starts, block_size: int, device="cpu"):
     "`(x, y)` of the windows of `data` starting at `starts`, built as `get_batch` builds its random ones."
     buf = torch.from_numpy(np.asarray(data[np.asarray(starts)[:, None] + np.arange(block_size + 1)], dtype=np.int64))
     return buf[:, :-1].contiguous().to(device), buf[:, 1:].contiguous().to(device)
 
+# %% ../nbs/26_trainer.ipynb #600fde50
 @patch
 def _val_batches(self: Trainer):
     "Yield the validation batches in order, `None` for those of other ranks (batch `i` is rank `i % ranks`'s)."
@@ -358,17 +394,20 @@ def _val_batches(self: Trainer):
     if cfg.eval_tokens > 0:
         starts = eval_windows(len(val), cfg.block_size, cfg.eval_tokens)
         for i, b in enumerate(range(0, len(starts), cfg.batch_size)):
-            yield window_batch(val, starts[b:b + cfg.batch_size], cfg.block_size, self.device) if i % self.world == self.rank else None
+            yield (window_batch(val, starts[b:b + cfg.batch_size], cfg.block_size, self.device)
+                   if i % self.world == self.rank else None)
         return
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     for i in range(cfg.eval_iters):
         if i % self.world != self.rank: _skip_draw(len(val), cfg, gen); yield None    # another rank's
         else: yield self.data.get_batch("val", cfg.block_size, cfg.batch_size, self.device, gen)
 
+# %% ../nbs/26_trainer.ipynb #b99f9f8f
 @patch
 @torch.no_grad()
 def evaluate(self: Trainer) -> dict:
-    "Mean loss over the fixed validation set (`eval_tokens`, else `eval_iters` seeded batches): `{'val/loss', 'val/ppl'}`."
+    """Mean loss over the fixed validation set (`eval_tokens`, else `eval_iters` seeded batches):
+    `{'val/loss', 'val/ppl'}`."""
     cfg, fixed = self.cfg, self.cfg.eval_tokens > 0
     self.model.eval()
     try:
@@ -378,10 +417,11 @@ def evaluate(self: Trainer) -> dict:
             with self.autocast(): losses.append(self.fwd(*b)[1].float())
             sizes.append(len(b[0]))
         if self.world == 1 and not fixed: vl = torch.stack(losses).mean().item()
-        else:       # fixed windows: weighted by sequences (the last batch may be short); ranks: the sum over all of them
+        else:   # fixed windows: weighted by sequences (the last batch may be short); ranks: the sum over all of them
             w = torch.tensor(sizes, dtype=torch.float32, device=self.device) if fixed else 1.0
             part = (torch.stack(losses) * w).sum() if losses else torch.zeros((), device=self.device)
-            total = len(eval_windows(len(self.data["val"]), cfg.block_size, cfg.eval_tokens)) if fixed else cfg.eval_iters
+            total = (len(eval_windows(len(self.data["val"]), cfg.block_size, cfg.eval_tokens)) if fixed
+                     else cfg.eval_iters)
             vl = (all_reduce_sum(part.reshape(1)).item() if self.world > 1 else part.item()) / total
     finally: self.model.train()
     self.last_val_loss = vl
@@ -394,24 +434,31 @@ def state_dict(self: Trainer) -> dict:
                 config=self.cfg.to_dict(), step=self.step, rng=capture_rng_state({"train": self.train_gen}),
                 wandb_run_id=self.tracker.run_id if self.tracker is not None else self.run_id,
                 detectors=dict(divergence=self.divergence.state_dict(), dead_neurons=self.dead.state_dict(),
-                               interventions=self.interventions.state_dict() if self.interventions is not None else None),
+                               interventions=(self.interventions.state_dict() if self.interventions is not None
+                                              else None)),
                 nan=dict(streak=self.nan_streak, first_step=self.first_nan_step,
                          anomaly=str(self.anomaly_path) if self.anomaly_path else None),
                 last_train_loss=self.last_train_loss, last_val_loss=self.last_val_loss,
-                **self._pending_state(), **self._rank_states(), **({"init_step": self.init_step} if self.init_step is not None else {}))
+                **self._pending_state(), **self._rank_states(),
+                **({"init_step": self.init_step} if self.init_step is not None else {}))
 
+# %% ../nbs/26_trainer.ipynb #086fba0d
 @patch
 def _pending_state(self: Trainer) -> dict:
     "8-bit models: the amaxes recorded but not yet pushed into their histories (`quantized.pending_amax`)."
     return dict(pending_amax=quantized.pending_amax(self.model))
 
+# %% ../nbs/26_trainer.ipynb #ac509950
 @patch
 def _rank_states(self: Trainer) -> dict:
-    "Data parallel: every rank's RNG states (their dropout streams differ), pending amaxes and the world size; nothing in one process."
+    """Data parallel: every rank's RNG states (their dropout streams differ), pending amaxes and the world size;
+    nothing in one process."""
     if self.world == 1: return {}
-    gathered = all_gather_object((capture_rng_state({"train": self.train_gen}), self._pending_state().get("pending_amax")))
+    gathered = all_gather_object((capture_rng_state({"train": self.train_gen}),
+                                  self._pending_state().get("pending_amax")))
     return dict(world_size=self.world, rng_ranks=[g[0] for g in gathered], pending_amax_ranks=[g[1] for g in gathered])
 
+# %% ../nbs/26_trainer.ipynb #7e8d4b3c
 @patch
 def load_state_dict(self: Trainer, st: dict):
     self.model.load_state_dict(st["model"])
@@ -429,26 +476,33 @@ def load_state_dict(self: Trainer, st: dict):
     ranks = st.get("pending_amax_ranks") if self.world > 1 else None   # (absent in older checkpoints: nothing pending)
     quantized.load_pending_amax(self.model, ranks[self.rank] if ranks is not None else st.get("pending_amax"))
 
+# %% ../nbs/26_trainer.ipynb #e2ef9a99
 @patch
-def save_checkpoint(self: Trainer, val_loss: float | None = None, tag: str | None = None, extra: dict | None = None) -> Path:
-    "Checkpoint the current state (regular, or `tag`ged e.g. 'anomaly', which is never rotated away); ranks: rank 0 writes."
+def save_checkpoint(self: Trainer, val_loss: float | None = None, tag: str | None = None,
+                    extra: dict | None = None) -> Path:
+    """Checkpoint the current state (regular, or `tag`ged e.g. 'anomaly', which is never rotated away); ranks:
+    rank 0 writes."""
     state = {**self.state_dict(), **(extra or {})}
     if self.world == 1: return self.ckpt.save(self.step, state, val_loss=val_loss, tag=tag)
     path = self.ckpt.save(self.step, state, val_loss=val_loss, tag=tag) if self.main else None
     return Path(broadcast_object(str(path) if path else None))     # the others wait until the file is complete
 
+# %% ../nbs/26_trainer.ipynb #44d12755
 def check_ranks_agree(path, reports: list) -> int:
-    """`reports[r]` = (error or None, step) of rank `r` after loading the checkpoint `path` that rank 0 chose: the common
-    step, else a `ConfigError` naming the ranks that could not read it or the ranks' different steps."""
+    """`reports[r]` = (error or None, step) of rank `r` after loading the checkpoint `path` that rank 0 chose: the
+    common step, else a `ConfigError` naming the ranks that could not read it or the ranks' different steps."""
     bad = [(r, err) for r, (err, _) in enumerate(reports) if err is not None]
     if bad:
-        raise ConfigError(f"cannot resume from {path} (chosen by rank 0): " + "; ".join(f"rank {r} cannot read it ({e})" for r, e in bad)
+        raise ConfigError(f"cannot resume from {path} (chosen by rank 0): "
+                          + "; ".join(f"rank {r} cannot read it ({e})" for r, e in bad)
                           + "; out_dir must be on a filesystem that every rank (every node) sees")
     steps = [s for _, s in reports]
     if len(set(steps)) > 1:
-        raise ConfigError(f"ranks disagree after loading {path}: " + ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps)))
+        raise ConfigError(f"ranks disagree after loading {path}: "
+                          + ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps)))
     return steps[0]
 
+# %% ../nbs/26_trainer.ipynb #7aeb14d7
 @patch
 def _load_for_resume(self: Trainer):
     "(state, path) of the newest readable checkpoint; ranks: rank 0 chooses it, every rank loads exactly that file."
@@ -463,6 +517,7 @@ def _load_for_resume(self: Trainer):
     check_ranks_agree(path, all_gather_object((err, int(st["step"]) if st is not None else None)))
     return st, Path(path)
 
+# %% ../nbs/26_trainer.ipynb #094cd4e0
 @patch
 def resume(self: Trainer) -> Path | None:
     """Load the newest readable checkpoint of `out_dir/checkpoints`; returns its path (None: nothing to resume).
@@ -470,27 +525,34 @@ def resume(self: Trainer) -> Path | None:
     st, path = self._load_for_resume()
     if st is None:
         notice(f"resume=true but {self.ckpt.dir} holds no readable checkpoint; starting from step 0"); return None
-    saved, now = {RENAMED_KEYS.get(k, k): v for k, v in st["config"].items()}, self.cfg.to_dict()   # (older checkpoints: old key names)
+    # (older checkpoints: old key names)
+    saved, now = {RENAMED_KEYS.get(k, k): v for k, v in st["config"].items()}, self.cfg.to_dict()
     if st.get("world_size", 1) != self.world:
-        raise ConfigError(f"cannot resume from {path}: it was written by a run on {st.get('world_size', 1)} rank(s), this one has "
-                          f"{self.world}; resume with the same number of processes (the global batch and data order depend on it)")
+        raise ConfigError(f"cannot resume from {path}: it was written by a run on {st.get('world_size', 1)} rank(s), "
+                          f"this one has {self.world}; resume with the same number of processes (the global batch "
+                          f"and data order depend on it)")
     fixed = [k for k in _RESUME_FIXED if saved.get(k) != now[k]]
     if fixed:
-        raise ConfigError(f"cannot resume from {path}: " + ", ".join(f"{k}={saved.get(k)!r} there, {now[k]!r} now" for k in fixed)
+        raise ConfigError(f"cannot resume from {path}: "
+                          + ", ".join(f"{k}={saved.get(k)!r} there, {now[k]!r} now" for k in fixed)
                           + "; use the checkpoint's values or a fresh out_dir")
     changed = [k for k in now if k != "resume" and k not in _RESUME_FIXED and saved.get(k, now[k]) != now[k]]
-    if changed: notice(f"resuming {path.name} with changed settings: " + ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed))
+    if changed: notice(f"resuming {path.name} with changed settings: "
+                       + ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed))
     self.load_state_dict(st)
     self.resumed_from = path
     return path
 
-_BRANCH_FIXED = tuple(k for k in _RESUME_FIXED if k not in ("master_weights", "optimizer", "weight_update", "residual_dtype")) \
+# %% ../nbs/26_trainer.ipynb #fa5a879b
+_BRANCH_FIXED = tuple(k for k in _RESUME_FIXED
+                      if k not in ("master_weights", "optimizer", "weight_update", "residual_dtype")) \
     + ("optimizer", "lr", "min_lr", "warmup_steps", "beta1", "beta2", "weight_decay", "seed", "data_seed")
 
 @patch
 def branch(self: Trainer, path) -> int:
-    """Start from the trunk checkpoint `path` (`init_from`): its weights, optimizer state, data stream, detectors and step;
-    this run's own update regime from there on (weights land on its grid at the first step). Returns the step."""
+    """Start from the trunk checkpoint `path` (`init_from`): its weights, optimizer state, data stream, detectors
+    and step; this run's own update regime from there on (weights land on its grid at the first step). Returns the
+    step."""
     try: st = torch.load(Path(path), map_location=self.device, weights_only=False)
     except Exception as e:
         raise ConfigError(f"init_from={str(path)!r} cannot be read as a checkpoint ({type(e).__name__}: {e}); "
@@ -498,13 +560,14 @@ def branch(self: Trainer, path) -> int:
     saved, now = {RENAMED_KEYS.get(k, k): v for k, v in st["config"].items()}, self.cfg.to_dict()
     bad = [f"{k}={saved.get(k)!r} there, {now[k]!r} here" for k in _BRANCH_FIXED if saved.get(k) != now[k]]
     decay = saved.get("lr_decay_steps") or saved.get("max_steps")
-    if decay != self.cfg.decay_steps: bad.append(f"the learning rate decays over {decay} steps there, {self.cfg.decay_steps} here")
+    if decay != self.cfg.decay_steps:
+        bad.append(f"the learning rate decays over {decay} steps there, {self.cfg.decay_steps} here")
     if st.get("world_size", 1) != self.world: bad.append(f"{st.get('world_size', 1)} rank(s) there, {self.world} here")
-    if bad: raise ConfigError(f"cannot branch from {path}: " + "; ".join(bad) + "; a branch changes only the update regime")
+    if bad:
+        raise ConfigError(f"cannot branch from {path}: " + "; ".join(bad) + "; a branch changes only the update regime")
     self.load_state_dict(st)
     self.run_id, self.anomaly_path, self.init_step = None, None, self.step
     return self.step
-
 
 # %% ../nbs/26_trainer.ipynb #cdaa5b17
 @patch
@@ -512,23 +575,29 @@ def _on_nonfinite(self: Trainer) -> str | None:
     "The NaN policy for the step just taken: anomaly checkpoint on the first, alerts, stop after `nan_patience`."
     cfg, step, src = self.cfg, self.step, self.nan_sources
     where = ("the loss" if src["loss"] else "") + (" and " if src["loss"] and src["grads"] else "")
-    if src["grads"]: where += f"{len(src['grads'])} gradient(s): " + ", ".join(src["grads"][:5]) + (" ..." if len(src["grads"]) > 5 else "")
+    if src["grads"]:
+        where += (f"{len(src['grads'])} gradient(s): " + ", ".join(src["grads"][:5])
+                  + (" ..." if len(src["grads"]) > 5 else ""))
     note = ""
     if self.first_nan_step is None:
         self.first_nan_step = step
         batches = [(x.cpu(), y.cpu()) for x, y in self.batches]
-        if self.world > 1: batches = [b for part in all_gather_object(batches) for b in part]   # every rank's, in slot order
-        self.anomaly_path = self.save_checkpoint(tag="anomaly", extra={"anomaly": dict(step=step, sources=src, batches=batches)})
+        if self.world > 1:                                  # every rank's, in slot order
+            batches = [b for part in all_gather_object(batches) for b in part]
+        self.anomaly_path = self.save_checkpoint(tag="anomaly",
+                                                 extra={"anomaly": dict(step=step, sources=src, batches=batches)})
         note = f"; state and batch saved to {self.anomaly_path.name}"
     self.tracker.alert("nan", "Non-finite " + ("loss" if src["loss"] else "gradients"),
                        f"non-finite values in {where or 'unknown'}; optimizer step skipped "
                        f"({self.nan_streak} consecutive, patience {cfg.nan_patience}){note}", "ERROR", step)
     if cfg.stop_on_nan or self.nan_streak >= cfg.nan_patience:
-        why = "stop_on_nan" if cfg.stop_on_nan else f"{self.nan_streak} consecutive non-finite steps (nan_patience={cfg.nan_patience})"
+        why = ("stop_on_nan" if cfg.stop_on_nan
+               else f"{self.nan_streak} consecutive non-finite steps (nan_patience={cfg.nan_patience})")
         self.tracker.alert("nan_stop", "Training stopped", f"stopped at step {step}: {why}", "ERROR", step)
         return "nan"
     return None
 
+# %% ../nbs/26_trainer.ipynb #61225ef3
 @patch
 def _save_histograms(self: Trainer, step: int):
     "Add the 8-bit layers' 256-code histograms at `step` to `histograms.json` (no-op without quantized layers)."
@@ -542,13 +611,15 @@ def _save_histograms(self: Trainer, step: int):
 
 # %% ../nbs/26_trainer.ipynb #682dfd07
 class Interrupted(KeyboardInterrupt):
-    "Training stopped by SIGINT/SIGTERM after checkpointing step `step`; `exit_code` 130 / 143, as a shell reports them."
+    """Training stopped by SIGINT/SIGTERM after checkpointing step `step`; `exit_code` 130 / 143, as a shell reports
+    them."""
     def __init__(self, signum: int, step: int, summary: dict | None = None):
         super().__init__(f"interrupted at step {step}: checkpoint saved; rerun the same command to resume")
         self.signum, self.step, self.summary = int(signum), int(step), summary
     @property
     def exit_code(self) -> int: return 128 + self.signum
 
+# %% ../nbs/26_trainer.ipynb #b8659ad8
 @contextlib.contextmanager
 def catch_interrupts(active: bool = True):
     "While active (main thread only): SIGINT/SIGTERM only set `.signum` (the first one); a third SIGINT raises at once."
@@ -563,19 +634,23 @@ def catch_interrupts(active: bool = True):
     finally:
         for s, h in old.items(): signal.signal(s, h)
 
+# %% ../nbs/26_trainer.ipynb #9418ca52
 def progress_label(cfg, amp_dtype=None) -> str:
     "What really runs, for the progress bar: 'fp32', 'E5M2', 'bf16 autocast', 'E5M2 + bf16 autocast'."
     if amp_dtype is None: return cfg.fmt or "fp32"
-    a = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype, str(amp_dtype).replace("torch.", "")) + " autocast"
+    a = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype, str(amp_dtype).replace("torch.", "")) \
+        + " autocast"
     return f"{cfg.fmt} + {a}" if cfg.fmt else a
 
 # %% ../nbs/26_trainer.ipynb #2db6232c
 def device_info(device) -> dict:
-    "The torch version and, on CUDA, the GPU's name and the CUDA version: what a write-up must state about where it ran."
+    """The torch version and, on CUDA, the GPU's name and the CUDA version: what a write-up must state about where it
+    ran."""
     cuda = torch.device(device).type == "cuda"
     return dict(torch=torch.__version__, cuda=torch.version.cuda if cuda else None,
                 gpu=torch.cuda.get_device_name(torch.device(device)) if cuda else None)
 
+# %% ../nbs/26_trainer.ipynb #0273c5eb
 @patch
 def _summary(self: Trainer, reason, start_step: int, seconds: float, perf: list) -> dict:
     "What `summary.json` says about this process's part of the run."
@@ -601,9 +676,11 @@ def _summary(self: Trainer, reason, start_step: int, seconds: float, perf: list)
         resumed_from=str(self.resumed_from) if self.resumed_from else None,
         **({"init_from": self.cfg.init_from, "init_step": self.init_step} if self.init_step is not None else {}))
 
+# %% ../nbs/26_trainer.ipynb #e098afe5
 @patch
 def fit(self: Trainer, until: int | None = None) -> dict:
-    "Train to `cfg.max_steps` (or stop per the NaN policy / after step `until` / at a signal); returns and writes `summary.json`."
+    """Train to `cfg.max_steps` (or stop per the NaN policy / after step `until` / at a signal); returns and writes
+    `summary.json`."""
     cfg = self.cfg
     self.run_dir.mkdir(parents=True, exist_ok=True)
     if self.main: save_config(cfg, self.run_dir / "config.yaml")
@@ -613,7 +690,8 @@ def fit(self: Trainer, until: int | None = None) -> dict:
         self.tracker = Tracker(self.run_dir, config=cfg.to_dict(), project=cfg.wandb_project, name=cfg.wandb_run_name,
                                tags=cfg.wandb_tags, mode=cfg.wandb_mode, run_id=self.run_id)
     self.run_id = self.tracker.run_id
-    if self.resumed_from is not None: self.tracker.rewind(self.step)   # what the stopped process logged after its checkpoint goes
+    # what the stopped process logged after its checkpoint goes
+    if self.resumed_from is not None: self.tracker.rewind(self.step)
     hist_steps = {1, max(1, cfg.max_steps // 2), cfg.max_steps}
     t_start, start_step, perf = time.perf_counter(), self.step, []
     reason, exit_code = None, None
@@ -627,29 +705,35 @@ def fit(self: Trainer, until: int | None = None) -> dict:
                 if m["train/skipped"]: reason = self._on_nonfinite()
                 last = step == cfg.max_steps or reason is not None
                 if step % cfg.eval_interval == 0 or last: m.update(self.evaluate())
-                if step % cfg.log_interval == 0 or last or "val/loss" in m or m["train/skipped"]: self.tracker.log(m, step)
+                if step % cfg.log_interval == 0 or last or "val/loss" in m or m["train/skipped"]:
+                    self.tracker.log(m, step)
                 for ev in self.events:
-                    self.tracker.alert("intervention", f"intervention: {ev['kind']}", f"{ev['layer']}: {ev.get('detail', '')}", "WARN", step)
+                    self.tracker.alert("intervention", f"intervention: {ev['kind']}",
+                                       f"{ev['layer']}: {ev.get('detail', '')}", "WARN", step)
                 self.check_alerts(m, step)
-                if step in hist_steps or step == self.first_nan_step or (last and reason is not None): self._save_histograms(step)
+                if step in hist_steps or step == self.first_nan_step or (last and reason is not None):
+                    self._save_histograms(step)
                 saved = reason is None and (self.ckpt.should_save(step) or step == cfg.max_steps)
                 if saved: self.save_checkpoint(val_loss=m.get("val/loss"))
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['train/loss']:.4f}", tok_s=f"{m['perf/tokens_per_sec']:,.0f}",
                                 **({"val": f"{self.last_val_loss:.4f}"} if self.last_val_loss is not None else {}))
-                if reason is None and stop.signum is not None and step < cfg.max_steps:   # a signal: this step is done, keep it
+                # a signal: this step is done, keep it
+                if reason is None and stop.signum is not None and step < cfg.max_steps:
                     if not saved: self.save_checkpoint(val_loss=m.get("val/loss"))
                     reason, exit_code = "interrupted", 128 + stop.signum
                 if reason is None and until is not None and step >= until: reason = "until"
             reason = reason or "max_steps"
         except BaseException as e:
-            reason, exit_code = ("interrupted" if isinstance(e, KeyboardInterrupt) else f"terminated: {e}" if isinstance(e, SystemExit)
+            reason, exit_code = ("interrupted" if isinstance(e, KeyboardInterrupt)
+                                 else f"terminated: {e}" if isinstance(e, SystemExit)
                                  else f"error: {type(e).__name__}: {e}"), 1
             raise
         finally:
             bar.close()
             summary = self._summary(reason, start_step, time.perf_counter() - t_start, perf)
-            if self.main: atomic_write_text(json.dumps(to_python(summary), indent=1, default=str), self.run_dir / "summary.json")
+            if self.main:
+                atomic_write_text(json.dumps(to_python(summary), indent=1, default=str), self.run_dir / "summary.json")
             if own: self.tracker.finish(exit_code=exit_code); self.tracker = None
     if reason == "interrupted": raise Interrupted(stop.signum, self.step, summary)
     return summary
@@ -665,7 +749,8 @@ def train_cli(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value overrides of TrainConfig fields")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace a finished or interrupted run in out_dir (it moves whole to out_dir/_previous/<time>/)")
+                   help="replace a finished or interrupted run in out_dir "
+                        "(it moves whole to out_dir/_previous/<time>/)")
     a = p.parse_intermixed_args(argv)
     try:
         cfg = load_config(a.config, **parse_overrides(a.overrides))
@@ -673,19 +758,22 @@ def train_cli(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"altgrad-train: error: {e}", file=sys.stderr); destroy_distributed(); return 2
     except KeyboardInterrupt:
-        print("[altgrad] interrupted before the first step: nothing to save", file=sys.stderr); destroy_distributed(); return 130
+        print("[altgrad] interrupted before the first step: nothing to save", file=sys.stderr)
+        destroy_distributed(); return 130
     try:
         with sigterm_as_exit(trainer.world > 1): s = trainer.fit()     # torchrun's SIGTERM: fit's cleanup still runs
     except Interrupted as e:
         print(f"[altgrad] {e}", file=sys.stderr, flush=True); return e.exit_code
     except KeyboardInterrupt:                                           # a third Ctrl-C: no checkpoint of this step
-        print(f"[altgrad] interrupted at step {trainer.step} without a checkpoint of it; rerun the same command to resume "
+        print(f"[altgrad] interrupted at step {trainer.step} without a checkpoint of it; "
+              "rerun the same command to resume "
               "from the last saved one", file=sys.stderr, flush=True); return 130
     except Exception as e:
         if trainer.world == 1: raise
         # the traceback and one line that say which rank failed and why; torchrun's agent then stops the other ranks
         traceback.print_exc()
-        print(f"altgrad-train: error on rank {trainer.rank} of {trainer.world}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"altgrad-train: error on rank {trainer.rank} of {trainer.world}: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
         return 1
     finally: destroy_distributed()
     if trainer.main: print(json.dumps(s, indent=1, default=str))
