@@ -15,7 +15,7 @@ _all_ = ["CLIP_K", "partition_mean_abs", "partition_clip"]
 # %% auto #0
 __all__ = ['shifted_format', 'Interventions', 'CLIP_K', 'partition_mean_abs', 'partition_clip']
 
-# %% ../nbs/21_interventions.ipynb #dc4d0051
+# %% ../nbs/21_interventions.ipynb #5e8b1eaf
 def shifted_format(fmt, more: str, exclude=()) -> FP8Format | None:
     """The registry format with one more `more` ('exponent' | 'mantissa') bit, or the nearest such, skipping formats
     grid-equivalent to `fmt`; None if there is none or it is (equivalent to) one of the names in `exclude`."""
@@ -34,7 +34,7 @@ def _same_grid(f: FP8Format, name) -> bool:
     try: return grid_equivalent(f, name) is not None
     except ValueError: return False
 
-# %% ../nbs/21_interventions.ipynb #43ecf8d6
+# %% ../nbs/21_interventions.ipynb #cd340fa7
 def _nonfinite_step(metrics: dict) -> bool:
     if metrics.get("train/skipped"): return True
     loss = metrics.get("train/loss")

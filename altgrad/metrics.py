@@ -13,7 +13,7 @@ from .diagnostics import DeadNeuronTracker, grad_stats_batch, zero_update_count
 __all__ = ['HostRead', 'queue_gradient_metrics', 'gradient_metrics', 'snapshot_params', 'zero_update_metrics',
            'queue_zero_update_metrics', 'nonfinite_sources', 'queue_nonfinite_sources', 'DivergenceDetector']
 
-# %% ../nbs/14_metrics.ipynb #926ad25e
+# %% ../nbs/14_metrics.ipynb #9e251fea
 class HostRead:
     """One step's statistics as device tensors, read to the host in one transfer.
 
@@ -77,7 +77,7 @@ def gradient_metrics(named_params, dead: DeadNeuronTracker | None = None, small:
     "Per-parameter gradient L2/L∞ norms, SNR, fraction below `small`, dead-neuron fractions, and global norms."
     return queue_gradient_metrics(HostRead(), named_params, dead, small).metrics()
 
-# %% ../nbs/14_metrics.ipynb #e0281556
+# %% ../nbs/14_metrics.ipynb #cf5b4ad7
 def snapshot_params(model: nn.Module) -> dict[str, torch.Tensor]:
     "Detached copies of all parameters, by name (for `zero_update_metrics` after the optimizer step)."
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -116,7 +116,7 @@ def queue_nonfinite_sources(reads: HostRead, loss, named_params) -> HostRead:
     flags = torch.stack([~torch.isfinite(loss_t).all()] + [~torch.isfinite(g).all().to(dev) for _, g in items])
     return reads.add(flags, lambda f: {"loss": bool(f[0]), "grads": [n for (n, _), bad in zip(items, f[1:]) if bad]})
 
-# %% ../nbs/14_metrics.ipynb #6cd6d6ba
+# %% ../nbs/14_metrics.ipynb #534ed424
 class DivergenceDetector:
     "True from the `patience`-th consecutive rise of the loss until the loss stops rising."
     def __init__(self, patience: int = 20):

@@ -32,7 +32,7 @@ def quant_pre_step(model: nn.Module, snapshot: dict[str, torch.Tensor] | None = 
         before = snapshot.get(f"{name}.weight")
         m._snapshot = before if before is not None and before.shape == m.weight.shape else m.weight.detach().clone()
 
-# %% ../nbs/24_step.ipynb #d0555099
+# %% ../nbs/24_step.ipynb #bed93994
 def _land(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant: torch.Tensor | None):
     """Land `before + u` on layer `m`'s grid by its landing: new scale, weight, residual, amax; then the step's
     statistics."""
@@ -138,7 +138,7 @@ def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict 
         _land_block(m, before, u, (decay or {}).get(m.weight), (intended or {}).get(m.weight))
     return {}
 
-# %% ../nbs/24_step.ipynb #ca4dc0d6
+# %% ../nbs/24_step.ipynb #33b90906
 def decay_factors(optimizer, spec) -> dict:
     """{parameter: c}: this step's weight decay shrinks w to (1 - c) w, by the optimizer's registry entry
     (`spec.decay_shrink`)."""
@@ -158,7 +158,7 @@ def absorb_landing_errors(model: nn.Module, optimizer, spec):
         e, layer._landing_error = layer._landing_error, None
         if e is not None and spec.absorb_error is not None: spec.absorb_error(optimizer, layer.weight, e)
 
-# %% ../nbs/24_step.ipynb #a7f92918
+# %% ../nbs/24_step.ipynb #31b5c671
 class GridStep:
     "The optimizer step of an 8-bit model under one base optimizer (`spec`: its `optim.OptimizerSpec`); call `step()`."
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec):
