@@ -27,6 +27,7 @@ def shifted_format(fmt, more: str, exclude=()) -> FP8Format | None:
     best = min(cands, key=key)
     return None if any(_same_grid(best, e) for e in exclude) else best
 
+# %% ../nbs/21_interventions.ipynb #2e5a8b3b
 def _same_grid(f: FP8Format, name) -> bool:
     "Is `f` the format `name` or grid-equivalent to it (unregistered names compare by name only)?"
     if f.name == str(name).upper(): return True
@@ -42,11 +43,15 @@ def _nonfinite_step(metrics: dict) -> bool:
 def _module_of(param_name) -> str | None:
     return param_name.rsplit(".", 1)[0] if isinstance(param_name, str) and "." in param_name else None
 
+# %% ../nbs/21_interventions.ipynb #b6152512
 class Interventions:
-    "Per-layer partition-relative clipping on overflow, and exponent shifts on persistent NaN (range) or lost updates (precision)."
+    """Per-layer partition-relative clipping on overflow, and exponent shifts on persistent NaN (range) or lost updates
+    (precision)."""
     def __init__(self, cfg=None, *, overflow_threshold: float | None = None, bit_stall_threshold: float | None = None,
-                 warmup_steps: int | None = None, nan_patience: int = 3, stall_patience: int = 3, clip_k: float = CLIP_K):
-        src = cfg if isinstance(cfg, dict) else cfg.to_dict() if hasattr(cfg, "to_dict") else vars(cfg) if cfg is not None else {}
+                 warmup_steps: int | None = None, nan_patience: int = 3, stall_patience: int = 3,
+                 clip_k: float = CLIP_K):
+        src = (cfg if isinstance(cfg, dict) else cfg.to_dict() if hasattr(cfg, "to_dict") else vars(cfg)
+               if cfg is not None else {})
         get = lambda k, v, d: v if v is not None else src.get(k, d)
         self.overflow_threshold = float(get("overflow_threshold", overflow_threshold, 0.01))
         self.bit_stall_threshold = float(get("bit_stall_threshold", bit_stall_threshold, 0.5))
@@ -70,7 +75,8 @@ class Interventions:
             ovf, made = metrics.get(f"overflow/{name}/g"), metrics.get(f"nonfinite/{name}/g") == 2
             if (ovf is not None and ovf > self.overflow_threshold) or made:
                 l.clip_k = self.clip_k
-                why = f"overflow of G {ovf:.2%} > {self.overflow_threshold:.2%}" if ovf is not None and ovf > self.overflow_threshold \
+                why = f"overflow of G {ovf:.2%} > {self.overflow_threshold:.2%}" \
+                      if ovf is not None and ovf > self.overflow_threshold \
                       else "G quantization produced inf/NaN"
                 event(name, "partition_clip", f"{why}; clipping G per {l.qg.granularity} at {self.clip_k:g}·mean|G|")
         shifted = set()
@@ -82,8 +88,9 @@ class Interventions:
             if self.nan_run[name] < self.nan_patience: continue
             d = self._shift(layers[name], name, "exponent", fwd=bool({"w", "a"} & set(roles)), bwd="g" in roles)
             self.nan_run[name] = 0
-            if d: shifted.add(name); event(name, "exponent_shift", f"{d} after {self.nan_patience} consecutive NaN steps "
-                                          f"(from {'/'.join(roles)}): range problem, one more exponent bit")
+            if d:
+                shifted.add(name); event(name, "exponent_shift", f"{d} after {self.nan_patience} consecutive NaN steps "
+                                         f"(from {'/'.join(roles)}): range problem, one more exponent bit")
         # (b2) persistent lost updates -> one exponent bit less, one more mantissa bit (forward format: the weights')
         if step > self.warmup_steps:
             for name, l in layers.items():
@@ -94,13 +101,17 @@ class Interventions:
                 if self.stall_run[name] >= self.stall_patience and name not in shifted:
                     d = self._shift(l, name, "mantissa", fwd=True, bwd=False)
                     self.stall_run[name] = 0
-                    if d: event(name, "precision_shift", f"{d} after {self.stall_patience} steps with {what} > "
-                                f"{self.bit_stall_threshold:.0%} (last {s:.0%}): precision problem, one exponent bit less")
+                    if d: event(name, "precision_shift",
+                                f"{d} after {self.stall_patience} steps with {what} > "
+                                f"{self.bit_stall_threshold:.0%} (last {s:.0%}): precision problem, "
+                                "one exponent bit less")
         return out
 
     def lost_signal(self, layer: QuantizedLinear, name: str) -> tuple[str, str]:
-        "(metric key, description) that measures lost updates of `layer`: its bit-stall if its weights live on the grid, else its lost update."
-        if getattr(layer, "master_weights", self.master_weights) == "format": return f"stall/{name}", "bit-stall (weights on the grid)"
+        """(metric key, description) that measures lost updates of `layer`: its bit-stall if its weights live on the
+        grid, else its lost update."""
+        if getattr(layer, "master_weights", self.master_weights) == "format":
+            return f"stall/{name}", "bit-stall (weights on the grid)"
         return f"lost_update/{name}", "lost update"
 
     def _culprits(self, layers: dict, metrics: dict) -> dict[str, list[str]]:
@@ -125,13 +136,15 @@ class Interventions:
         new_b = shifted_format(layer.fmt_backward, more, left) if bwd else None
         parts = []
         if new_f is not None: parts.append(f"forward {layer.fmt.name} -> {new_f.name}"); left.append(layer.fmt.name)
-        if new_b is not None: parts.append(f"backward {layer.fmt_backward.name} -> {new_b.name}"); left.append(layer.fmt_backward.name)
+        if new_b is not None:
+            parts.append(f"backward {layer.fmt_backward.name} -> {new_b.name}"); left.append(layer.fmt_backward.name)
         layer.set_formats(new_f, new_b)
         self.left[name] = sorted(set(left))
         return ", ".join(parts)
 
     def state_dict(self) -> dict:
-        return dict(nan_run=dict(self.nan_run), stall_run=dict(self.stall_run), left={k: list(v) for k, v in self.left.items()},
+        return dict(nan_run=dict(self.nan_run), stall_run=dict(self.stall_run),
+                    left={k: list(v) for k, v in self.left.items()},
                     events=[dict(e) for e in self.events])
 
     def load_state_dict(self, sd: dict):

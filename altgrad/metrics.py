@@ -42,12 +42,14 @@ class HostRead:
 
     def __repr__(self): return f"HostRead({len(self.parts)} queued, {sum(v.numel() for v, _ in self.parts)} numbers)"
 
+# %% ../nbs/14_metrics.ipynb #e75e30e7
 def _pairs(named_params) -> list[tuple[str, torch.Tensor]]:
     "(name, param) pairs from `named_parameters()`, a module or a dict."
     if isinstance(named_params, nn.Module): named_params = named_params.named_parameters()
     elif isinstance(named_params, dict): named_params = named_params.items()
     return list(named_params)
 
+# %% ../nbs/14_metrics.ipynb #45708e8e
 def queue_gradient_metrics(reads: HostRead, named_params, dead: DeadNeuronTracker | None = None, small: float = 1e-8):
     "Queue `gradient_metrics` on `reads`: the statistics computed now, on the device; their dict comes with the read."
     items = [(n, p.grad) for n, p in _pairs(named_params) if p.grad is not None]
@@ -70,21 +72,23 @@ def queue_gradient_metrics(reads: HostRead, named_params, dead: DeadNeuronTracke
         return out
     return reads.add(flat, build)
 
+# %% ../nbs/14_metrics.ipynb #2dfc658a
 def gradient_metrics(named_params, dead: DeadNeuronTracker | None = None, small: float = 1e-8) -> dict[str, float]:
     "Per-parameter gradient L2/L∞ norms, SNR, fraction below `small`, dead-neuron fractions, and global norms."
     return queue_gradient_metrics(HostRead(), named_params, dead, small).metrics()
-
 
 # %% ../nbs/14_metrics.ipynb #cf5b4ad7
 def snapshot_params(model: nn.Module) -> dict[str, torch.Tensor]:
     "Detached copies of all parameters, by name (for `zero_update_metrics` after the optimizer step)."
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
+# %% ../nbs/14_metrics.ipynb #3bf3a867
 def zero_update_metrics(before: dict[str, torch.Tensor], model: nn.Module) -> dict[str, float]:
     "`zero_update_frac/<name>` (entries unchanged since `before`) for each snapshotted parameter, and `/total`."
     params = dict(model.named_parameters())
     missing = [n for n in before if n not in params]
-    if missing: raise KeyError(f"snapshot has parameters the model lacks: {missing[:5]}; take it with snapshot_params(model)")
+    if missing:
+        raise KeyError(f"snapshot has parameters the model lacks: {missing[:5]}; take it with snapshot_params(model)")
     return queue_zero_update_metrics(HostRead(), before, params).metrics()
 
 def queue_zero_update_metrics(reads: HostRead, before: dict[str, torch.Tensor], params: dict) -> HostRead:
@@ -116,7 +120,8 @@ def queue_nonfinite_sources(reads: HostRead, loss, named_params) -> HostRead:
 class DivergenceDetector:
     "True from the `patience`-th consecutive rise of the loss until the loss stops rising."
     def __init__(self, patience: int = 20):
-        if not isinstance(patience, int) or patience < 1: raise ValueError(f"patience must be a positive int, got {patience!r}")
+        if not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience must be a positive int, got {patience!r}")
         self.patience, self.streak, self.prev = patience, 0, None
 
     @property

@@ -13,13 +13,16 @@ import torch.nn.functional as F
 from .formats import (ALL_FORMATS, COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_kernel, compile_mode,
                              get_format, quantize, _draw_seed, _kernel_nearest, _kernel_stochastic, _tensor_params,
                              _want_compiled)
-from .scaling import AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale, partition_clip, scale_kernel
+from .scaling import (AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale,
+                             partition_clip, scale_kernel)
 from .diagnostics import bit_histogram, range_edges
 from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_distributed
 from .notice import notice
 from .metrics import HostRead
-from .grid import LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, stats_dict, STAT_FIELDS, ratio_histogram
-from .block_gemm import is_block_format, block_layer, block_layers, grid_block_layers, block_metric_parts, block_histograms
+from .grid import (LANDINGS, MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, stats_dict, STAT_FIELDS,
+                          ratio_histogram)
+from .block_gemm import (is_block_format, block_layer, block_layers, grid_block_layers, block_metric_parts,
+                                block_histograms)
 
 # %% auto #0
 __all__ = ['SCALINGS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer', 'QuantizedLinear',
@@ -32,17 +35,20 @@ SCALINGS = ("delayed", "current")
 ROUNDINGS = ("nearest", "stochastic")
 
 def sr_generator(seed: int, *ids: int) -> torch.Generator:
-    "A CPU generator seeded from `(seed, *ids)` (e.g. run seed, layer, step): stochastic rounding reproducible on resume."
+    """A CPU generator seeded from `(seed, *ids)` (e.g. run seed, layer, step): stochastic rounding reproducible on
+    resume."""
     h = (int(seed) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % (1 << 63)
     for i in ids: h = ((h ^ int(i)) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (1 << 63)
     return torch.Generator().manual_seed(h)
 
+# %% ../nbs/20_quantized.ipynb #2c355cb4
 def _lazy_load(module: nn.Module, state_dict: dict, prefix: str, names):
     "Reshape lazily shaped buffers `names` of `module` to the saved shapes before `load_state_dict` copies into them."
     for n in names:
         v = state_dict.get(prefix + n)
         if v is not None: setattr(module, n, torch.zeros(v.shape, dtype=v.dtype, device=getattr(module, n).device))
 
+# %% ../nbs/20_quantized.ipynb #31225121
 def _fmt_spec(f: FP8Format) -> dict:
     "A format as plain data (for checkpoints; the newer fields only where they differ from their defaults)."
     d = dict(name=f.name, exp_bits=f.exp_bits, man_bits=f.man_bits, bias=f.bias, special=f.special, overflow=f.overflow)
@@ -55,11 +61,13 @@ def _fmt_from_spec(d: dict) -> FP8Format:
     reg = ALL_FORMATS.get(f.name.upper())
     return reg if reg == f else f
 
+# %% ../nbs/20_quantized.ipynb #0e288694
 @lru_cache(maxsize=None)
 def saturating(fmt: FP8Format) -> FP8Format:
     "`fmt` with overflow clamped to ±max (same grid, same name)."
     return fmt if fmt.overflow == "saturate" else dataclasses.replace(fmt, overflow="saturate")
 
+# %% ../nbs/20_quantized.ipynb #6608d890
 def _count_kernel(x, q, s, over, tie_up):
     a = (x * s).abs()
     ovf = (a > over) | ((a == over) & tie_up)
@@ -70,6 +78,7 @@ def _count_kernel(x, q, s, over, tie_up):
 _count_compiled: list = []      # [compiled kernel] once built; [None] if compiling failed
 _edge_cache: dict = {}
 
+# %% ../nbs/20_quantized.ipynb #a2243bf2
 def count_range(x: torch.Tensor, q: torch.Tensor, s, fmt) -> torch.Tensor:
     """int64 `[overflow, underflow, any non-finite]` of `x` quantized as `q = Q(x; s)` (one fused pass, no sync).
 
@@ -89,6 +98,7 @@ def count_range(x: torch.Tensor, q: torch.Tensor, s, fmt) -> torch.Tensor:
             notice(f"torch.compile of the range counters failed ({type(e).__name__}); using eager kernels")
     return _count_kernel(x, q, s, over_t, tie_t)
 
+# %% ../nbs/20_quantized.ipynb #336566a2
 def _edges(fmt, device) -> tuple[torch.Tensor, torch.Tensor]:
     "`diagnostics.range_edges(fmt)`'s overflow edge and tie flag as tensors on `device` (cached)."
     key = (fmt, device)
@@ -97,6 +107,7 @@ def _edges(fmt, device) -> tuple[torch.Tensor, torch.Tensor]:
         _edge_cache[key] = (torch.tensor(over, dtype=torch.float32, device=device), torch.tensor(tie_up, device=device))
     return _edge_cache[key]
 
+# %% ../nbs/20_quantized.ipynb #9a9ad6d2
 def _operand_kernel(x, hist, use_hist, given, use_given, target, prev, seed, over, tie_up, **p):
     """One operand's quantization with a per-tensor scale, in one pass: `(q, scale, counts, amax of x)`.
 
@@ -110,6 +121,7 @@ def _operand_kernel(x, hist, use_hist, given, use_given, target, prev, seed, ove
     q = _kernel_nearest(x, s, **p) if seed is None else _kernel_stochastic(x, s, seed, **p)
     return q, s, _count_kernel(x, q, s, over, tie_up), ax
 
+# %% ../nbs/20_quantized.ipynb #2c3fb242
 _operand_compiled: list = []    # [compiled `_operand_kernel`] once built; [None] if compiling failed
 _const_cache: dict = {}          # small constant tensors of the fused path, per device
 
@@ -119,6 +131,7 @@ def _const(key, make):
     if t is None: t = _const_cache[key] = make()
     return t
 
+# %% ../nbs/20_quantized.ipynb #2a0edbca
 class TensorQuantizer(nn.Module):
     "Format, scaling state (amax history, last scale) and counters of one GEMM operand (W, A or G)."
     def __init__(self, fmt, scaling: str = "delayed", granularity: str = "tensor", block_size: int = 32,
@@ -128,8 +141,10 @@ class TensorQuantizer(nn.Module):
         if rounding not in ROUNDINGS: raise ValueError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
         if not isinstance(margin, int) or margin < 0: raise ValueError(f"margin must be an int >= 0, got {margin!r}")
         if scaling not in SCALINGS: raise ValueError(f"scaling={scaling!r} is not one of {SCALINGS}")
-        if granularity not in GRANULARITIES: raise ValueError(f"granularity={granularity!r} is not one of {GRANULARITIES}")
-        if not isinstance(block_size, int) or block_size < 1: raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity={granularity!r} is not one of {GRANULARITIES}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if algo not in AMAX_ALGOS: raise ValueError(f"amax_algo={algo!r} is not one of {AMAX_ALGOS}")
         self.saturate = bool(saturate)
         self.set_format(fmt)
@@ -143,9 +158,11 @@ class TensorQuantizer(nn.Module):
         self._sr_n = 0                                                                  # its python mirror (no syncs)
         self.sync_amax = False              # data parallel: max-reduce the current amax over ranks (`set_distributed`)
         self.sr_rank = 0                    # data parallel: this rank's own stochastic-rounding stream (A, G)
-        self.defer = False                  # grad accumulation: keep the max amax of the micro-batches, push once per step
+        # grad accumulation: keep the max amax of the micro-batches, push once per step
+        self.defer = False
         self._pending: torch.Tensor | None = None
-        self.register_buffer("counts", torch.zeros(3, dtype=torch.int64), persistent=False)  # overflow, underflow, non-finite batches
+        # overflow, underflow, non-finite batches
+        self.register_buffer("counts", torch.zeros(3, dtype=torch.int64), persistent=False)
         self.total = 0                      # elements counted since the last `read_counts` (python: no sync)
         self.retain = True                  # keep the last quantized tensor for histograms
         self.last: torch.Tensor | None = None
@@ -161,7 +178,8 @@ class TensorQuantizer(nn.Module):
         amax = amax_of(x, self.granularity, self.block_size)
         if train and self.sync_amax and not self.delayed: amax = all_reduce_max(amax)
         src = self.history.amax if self.delayed and self.history.initialized else amax
-        scale, _ = compute_scale(src, self.fmt, margin=self.margin, power_of_two=self.granularity == "block", prev=self._prev(src))
+        scale, _ = compute_scale(src, self.fmt, margin=self.margin, power_of_two=self.granularity == "block",
+                                 prev=self._prev(src))
         return amax, scale
 
     def _generator(self, train: bool) -> torch.Generator | None:
@@ -175,18 +193,21 @@ class TensorQuantizer(nn.Module):
         "The generator of this operand's `n`-th stochastic rounding (and this rank's, under data parallelism)."
         return sr_generator(self.sr_seed, n, *((self.sr_rank,) if self.sr_rank else ()))
 
-    def quantize(self, x: torch.Tensor, train: bool = False, cap: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, train: bool = False, cap: bool = False,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
         """$Q(x; s)$ in float32; `train` records amax, scale and counters; `cap` clamps to the scale's range first.
 
         `scale` (weights on the grid) quantizes with that scale instead and records no amax: the grid owns it.
         Per-tensor scaling of a large tensor runs as one fused kernel (`_operand_kernel`), bit for bit the same."""
         x = x.detach().float()
         gen = self._generator(train)
-        if self.granularity == "tensor" and not cap and x.numel() and not (train and self.sync_amax and not self.delayed) \
+        if self.granularity == "tensor" and not cap and x.numel() \
+                and not (train and self.sync_amax and not self.delayed) \
                 and _want_compiled(x, None) and _operand_compiled != [None]:
             q = self._quantize_fused(x, train, scale, gen)
             if q is not None: return q
-            if gen is not None: gen = self._stream(self._sr_n - 1)       # the same stream again (the fused call drew from it)
+            # the same stream again (the fused call drew from it)
+            if gen is not None: gen = self._stream(self._sr_n - 1)
         if scale is None: amax, scale = self.compute_scale(x, train)
         else: amax = None
         s = expand_scale(scale, x, self.granularity, self.block_size)
@@ -198,7 +219,8 @@ class TensorQuantizer(nn.Module):
         return q
 
     def _quantize_fused(self, x: torch.Tensor, train: bool, scale, gen) -> torch.Tensor | None:
-        """`quantize` for per-tensor scaling in one compiled call: scale (from the history or `x`), Q, range counts, amax.
+        """`quantize` for per-tensor scaling in one compiled call: scale (from the history or `x`), Q, range counts,
+        amax.
         None if compiling failed (then nothing was recorded, and the caller takes the general path)."""
         dev = x.device
         w = self.history.window if self.history is not None else 1
@@ -210,16 +232,20 @@ class TensorQuantizer(nn.Module):
         target = _const((self.fmt, self.margin, dev),
                         lambda: torch.tensor(self.fmt.max_value / 2.0 ** self.margin, dtype=torch.float32, device=dev))
         one = _const(("one", dev), lambda: torch.ones((), device=dev))
-        flag = lambda role, b: _const((role, bool(b), dev), lambda: torch.tensor(bool(b), device=dev))   # one tensor per role
+        # one tensor per role
+        flag = lambda role, b: _const((role, bool(b), dev), lambda: torch.tensor(bool(b), device=dev))
         given = _const(("given", dev), lambda: torch.ones((), device=dev)) if scale is None else scale.reshape(())
         prev = self.scale if self.scale.dim() == 0 else one
-        if prev is given: prev = prev.clone()      # (dynamo guards on aliased arguments: one graph needs distinct tensors)
+        # (dynamo guards on aliased arguments: one graph needs distinct tensors)
+        if prev is given: prev = prev.clone()
         over, tie = _edges(self.fmt, dev)
         seed = _draw_seed(gen, dev) if gen is not None else None
         try:
             if not _operand_compiled: _operand_compiled.append(compile_kernel(_operand_kernel))
-            # flat and detached: no view of another tensor (whose strides dynamo would guard), one rank for every operand
-            q, s, counts, amax = _operand_compiled[0](x.reshape(-1).detach(), hist, flag("hist", use_hist), given, flag("given", scale is not None),
+            # flat and detached: no view of another tensor (whose strides dynamo would guard), one rank for every
+            # operand
+            q, s, counts, amax = _operand_compiled[0](x.reshape(-1).detach(), hist, flag("hist", use_hist), given,
+                                                      flag("given", scale is not None),
                                                       target, prev, seed, over, tie, **_tensor_params(self.qfmt, dev))
         except Exception as e:                # no C++ compiler / triton, an unsupported device...
             _operand_compiled[:] = [None]
@@ -263,7 +289,8 @@ class TensorQuantizer(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.fmt.name}, {'delayed' if self.delayed else 'current'}, {self.granularity}" + \
                (f"/{self.block_size}" if self.granularity == "block" else "") + \
-               (f", rounding={self.rounding}" if self.rounding != "nearest" else "") + (f", margin={self.margin}" if self.margin else "")
+               (f", rounding={self.rounding}" if self.rounding != "nearest" else "") + \
+               (f", margin={self.margin}" if self.margin else "")
 
 # %% ../nbs/20_quantized.ipynb #ed43827b
 class _QuantizedLinearFn(torch.autograd.Function):
@@ -286,7 +313,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
             gq = layer._quantize_grad(g, ctx.train)
             n_out = wq.shape[0]
             dx = (gq @ wq).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
-            dw = (gq.reshape(-1, n_out).t() @ aq.reshape(-1, aq.shape[-1])).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+            dw = ((gq.reshape(-1, n_out).t() @ aq.reshape(-1, aq.shape[-1])).to(ctx.dtypes[1])
+                  if ctx.needs_input_grad[1] else None)
             db = g.float().reshape(-1, n_out).sum(0).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
         return dx, dw, db, None
 
@@ -294,19 +322,27 @@ class _QuantizedLinearFn(torch.autograd.Function):
 class QuantizedLinear(nn.Linear):
     "`nn.Linear` whose three GEMMs (forward, data gradient, weight gradient) use 8-bit fake-quantized operands."
     def __init__(self, in_features: int, out_features: int, bias: bool = True, fmt=None, fmt_backward=None,
-                 scaling: str = "delayed", granularity: str = "tensor", block_size: int = 32, amax_history_len: int = 16,
-                 amax_algo: str = "max", master_weights: str = "fp32", quantize_grads: bool = False, saturate: bool = True,
-                 rounding: str = "nearest", margin: int = 0, weight_update: str = "nearest", residual_dtype: str = "fp32",
+                 scaling: str = "delayed", granularity: str = "tensor", block_size: int = 32,
+                 amax_history_len: int = 16,
+                 amax_algo: str = "max", master_weights: str = "fp32", quantize_grads: bool = False,
+                 saturate: bool = True,
+                 rounding: str = "nearest", margin: int = 0, weight_update: str = "nearest",
+                 residual_dtype: str = "fp32",
                  seed: int = 0, layer_id: int = 0, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        if fmt is None: raise ValueError(f"QuantizedLinear needs fmt=<format>; valid formats: {', '.join(FORMAT_REGISTRY)}")
-        if master_weights not in MASTER_WEIGHTS: raise ValueError(f"master_weights={master_weights!r} is not one of {MASTER_WEIGHTS}")
+        if fmt is None:
+            raise ValueError(f"QuantizedLinear needs fmt=<format>; valid formats: {', '.join(FORMAT_REGISTRY)}")
+        if master_weights not in MASTER_WEIGHTS:
+            raise ValueError(f"master_weights={master_weights!r} is not one of {MASTER_WEIGHTS}")
         landing = get_landing(weight_update)                    # unknown names: ValueError listing LANDINGS
-        if residual_dtype not in RESIDUAL_DTYPES: raise ValueError(f"residual_dtype={residual_dtype!r} is not one of {RESIDUAL_DTYPES}")
+        if residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"residual_dtype={residual_dtype!r} is not one of {RESIDUAL_DTYPES}")
         if (landing.residual or landing.momentum) and master_weights != "format":
-            raise ValueError(f"weight_update={weight_update!r} needs master_weights='format' (with FP32 master weights no update is lost)")
+            raise ValueError(f"weight_update={weight_update!r} needs master_weights='format' "
+                             "(with FP32 master weights no update is lost)")
         fmt = get_format(fmt); fmt_bwd = fmt if fmt_backward is None else get_format(fmt_backward)
-        kw = dict(scaling=scaling, granularity=granularity, block_size=block_size, history_len=amax_history_len, algo=amax_algo,
+        kw = dict(scaling=scaling, granularity=granularity, block_size=block_size, history_len=amax_history_len,
+                  algo=amax_algo,
                   saturate=saturate, rounding=rounding, margin=margin)
         self.seed, self.layer_id = int(seed), int(layer_id)
         self.qw = TensorQuantizer(fmt, delayed_groups=True, **kw)
@@ -335,11 +371,13 @@ class QuantizedLinear(nn.Linear):
 
     def _move_state(self, device):
         for q in self.quantizers().values(): q.to(device)
-        for n in ("_clipped", "grid_scale", "residual", "w_prev", "updates"): setattr(self, n, getattr(self, n).to(device))
+        for n in ("_clipped", "grid_scale", "residual", "w_prev", "updates"):
+            setattr(self, n, getattr(self, n).to(device))
 
     def _seed_quantizers(self):
         "Each operand its own stochastic-rounding stream: (run seed, layer, operand)."
-        for i, q in enumerate(self.quantizers().values()): q.sr_seed = int(sr_generator(self.seed, self.layer_id, 100 + i).initial_seed())
+        for i, q in enumerate(self.quantizers().values()):
+            q.sr_seed = int(sr_generator(self.seed, self.layer_id, 100 + i).initial_seed())
 
     def set_seed(self, seed: int, layer_id: int):
         "Set the run seed and this layer's index (the streams of stochastic rounding derive from both)."
@@ -372,7 +410,8 @@ class QuantizedLinear(nn.Linear):
     def fmt_backward(self) -> FP8Format: return self.qg.fmt
 
     def set_formats(self, fmt=None, fmt_backward=None, reland: bool = True):
-        "Switch the forward (W, A) and/or backward (G, dW) format; scaling state is kept; weights on the grid are re-landed."
+        """Switch the forward (W, A) and/or backward (G, dW) format; scaling state is kept; weights on the grid are
+        re-landed."""
         if fmt is not None:
             changed = get_format(fmt) != self.qw.fmt
             self.qw.set_format(fmt); self.qa.set_format(fmt)
@@ -417,7 +456,8 @@ class QuantizedLinear(nn.Linear):
         return dict(fmt=_fmt_spec(self.qw.fmt), fmt_backward=_fmt_spec(self.qg.fmt), clip_k=self.clip_k)
 
     def set_extra_state(self, state: dict):
-        self.set_formats(_fmt_from_spec(state["fmt"]), _fmt_from_spec(state["fmt_backward"]), reland=False)  # saved weights are already there
+        # saved weights are already there
+        self.set_formats(_fmt_from_spec(state["fmt"]), _fmt_from_spec(state["fmt_backward"]), reland=False)
         self.clip_k = state.get("clip_k")
 
     def extra_repr(self) -> str:
@@ -440,7 +480,9 @@ class LayerFormat:
             raise ValueError(f"layer_formats pattern must be a non-empty string, got {self.pattern!r}")
         if self.pattern.startswith("re:"):
             try: re.compile(self.pattern[3:])
-            except re.error as e: raise ValueError(f"layer_formats pattern {self.pattern!r} is not a valid regular expression: {e}") from None
+            except re.error as e:
+                raise ValueError(f"layer_formats pattern {self.pattern!r} is not a valid regular expression: "
+                                 f"{e}") from None
         if self.fmt is not None and not is_block_format(self.fmt): object.__setattr__(self, "fmt", get_format(self.fmt))
 
     def matches(self, name: str) -> bool:
@@ -454,23 +496,31 @@ class LayerFormat:
         "A `layer_formats` entry from a `LayerFormat` or a `[pattern, fmt]` pair."
         if isinstance(entry, cls): return entry
         if isinstance(entry, (list, tuple)) and len(entry) == 2: return cls(entry[0], entry[1])
-        raise ValueError(f"a layer_formats entry must be LayerFormat(pattern, fmt) or a [pattern, fmt] pair, got {entry!r}")
+        raise ValueError(f"a layer_formats entry must be LayerFormat(pattern, fmt) or a [pattern, fmt] pair, "
+                         f"got {entry!r}")
 
+# %% ../nbs/20_quantized.ipynb #c5a0597a
 def _tied_linears(model: nn.Module) -> set[str]:
     "Names of linear layers whose weight is also a direct parameter of another module."
     owners: dict[int, list[str]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
         for p in m.parameters(recurse=False): owners.setdefault(id(p), []).append(name)
-    return {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and len(set(owners.get(id(m.weight), []))) > 1}
+    return {n for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and len(set(owners.get(id(m.weight), []))) > 1}
 
-def quantize_model(model: nn.Module, format=None, layer_formats=None, quantize_tied: bool = False, rules=None, **kw) -> nn.Module:
-    "Replace `model`'s `nn.Linear`s in place per `format` (all) or `layer_formats` (first match wins); `kw` go to `QuantizedLinear`."
+# %% ../nbs/20_quantized.ipynb #5c1606b1
+def quantize_model(model: nn.Module, format=None, layer_formats=None, quantize_tied: bool = False, rules=None,
+                   **kw) -> nn.Module:
+    """Replace `model`'s `nn.Linear`s in place per `format` (all) or `layer_formats` (first match wins); `kw` go to
+    `QuantizedLinear`."""
     if rules is not None:                                   # the old name of layer_formats
-        if layer_formats is not None: raise ValueError("quantize_model got both layer_formats and its old name rules: give layer_formats only")
+        if layer_formats is not None:
+            raise ValueError("quantize_model got both layer_formats and its old name rules: give layer_formats only")
         notice("quantize_model: argument 'rules' is renamed 'layer_formats'")
         layer_formats = rules
     if (format is None) == (layer_formats is None):
-        raise ValueError("quantize_model needs exactly one of format=<name> (every linear layer) or layer_formats=[[pattern, fmt], ...]"
+        raise ValueError("quantize_model needs exactly one of format=<name> (every linear layer) or "
+                         "layer_formats=[[pattern, fmt], ...]"
                          f" (first match wins); got format={format!r}, layer_formats={layer_formats!r}")
     fmts = [LayerFormat("*", format)] if format is not None else [LayerFormat.parse(e) for e in layer_formats]
     tied = set() if quantize_tied else _tied_linears(model)
@@ -486,7 +536,8 @@ def quantize_model(model: nn.Module, format=None, layer_formats=None, quantize_t
     for r, h in zip(fmts, hits):
         if not h and format is None:
             notice(f"layer_formats pattern {r.pattern!r} -> {getattr(r.fmt, 'name', r.fmt)} matched no linear layer "
-                   f"(names look like {next((n for n, m in model.named_modules() if isinstance(m, nn.Linear)), '?')!r})")
+                   f"(names look like "
+                   f"{next((n for n, m in model.named_modules() if isinstance(m, nn.Linear)), '?')!r})")
     for i, (name, new) in enumerate(todo):                 # layer index: its own random streams
         if isinstance(new, QuantizedLinear): new.set_seed(new.seed, i)
     for name, new in todo:                                  # collect first, then modify
@@ -494,16 +545,21 @@ def quantize_model(model: nn.Module, format=None, layer_formats=None, quantize_t
         setattr(model.get_submodule(parent) if parent else model, attr, new)
     return model
 
+# %% ../nbs/20_quantized.ipynb #eac4d160
 def quantize_model_from_config(model: nn.Module, cfg) -> nn.Module:
-    "`quantize_model` from a `TrainConfig`: `cfg.layer_formats` first, then `cfg.fmt` for the rest (no-op if neither is set)."
+    """`quantize_model` from a `TrainConfig`: `cfg.layer_formats` first, then `cfg.fmt` for the rest (no-op if
+    neither is set)."""
     fmts = [list(e) for e in (cfg.layer_formats or [])]
     if cfg.fmt is None and not fmts: return model
     if cfg.fmt is not None and not any(e[0] == "*" for e in fmts): fmts.append(["*", cfg.fmt])
-    return quantize_model(model, layer_formats=fmts, fmt_backward=cfg.fmt_backward, scaling=cfg.scaling, granularity=cfg.granularity,
+    return quantize_model(model, layer_formats=fmts, fmt_backward=cfg.fmt_backward, scaling=cfg.scaling,
+                          granularity=cfg.granularity,
                           block_size=cfg.block_size_q, amax_history_len=cfg.amax_history_len, amax_algo=cfg.amax_algo,
                           master_weights=cfg.master_weights, quantize_grads=cfg.quantize_grads, rounding=cfg.rounding,
-                          margin=cfg.margin, weight_update=cfg.weight_update, residual_dtype=cfg.residual_dtype, seed=cfg.seed)
+                          margin=cfg.margin, weight_update=cfg.weight_update, residual_dtype=cfg.residual_dtype,
+                          seed=cfg.seed)
 
+# %% ../nbs/20_quantized.ipynb #19dad7e3
 def quantized_layers(model: nn.Module) -> list[tuple[str, QuantizedLinear]]:
     "`(name, layer)` of every `QuantizedLinear` in `model`."
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
@@ -518,6 +574,7 @@ def commit_amax(model: nn.Module):
     if is_distributed(): all_reduce_max_([q._pending for q in qs if q._pending is not None])
     for q in qs: q.commit_history()
 
+# %% ../nbs/20_quantized.ipynb #68d7f1d1
 def set_distributed(model: nn.Module, rank: int, world_size: int):
     """Data parallelism over `world_size` ranks: defer amax pushes to `commit_amax` (one max all-reduce per step),
     max-reduce current per-tensor amaxes of activations and gradients in the quantize path, and give A and G their own
@@ -528,11 +585,14 @@ def set_distributed(model: nn.Module, rank: int, world_size: int):
             q.sync_amax = world_size > 1 and role in ("a", "g") and q.granularity == "tensor"
             q.sr_rank = int(rank) if role in ("a", "g") else 0
 
+# %% ../nbs/20_quantized.ipynb #1fc607b9
 def set_accumulation(model: nn.Module, on: bool):
-    "With gradient accumulation, amax histories count optimizer steps, not micro-batches: defer pushes to `commit_amax`."
+    """With gradient accumulation, amax histories count optimizer steps, not micro-batches: defer pushes to
+    `commit_amax`."""
     for _, m in quantized_layers(model):
         for q in m.quantizers().values(): q.defer = bool(on)
 
+# %% ../nbs/20_quantized.ipynb #8f885394
 def pending_amax(model: nn.Module) -> dict[str, torch.Tensor]:
     """The amaxes recorded but not yet pushed (`defer` mode), `{'<layer>.<role>': tensor}` (CPU copies; {} if none).
 
@@ -550,6 +610,7 @@ def load_pending_amax(model: nn.Module, pending: dict | None):
             q._pending = None if v is None else v.detach().to(q.scale.device).clone()
     if pending: raise KeyError(f"pending amaxes of quantizers this model does not have: {sorted(pending)}")
 
+# %% ../nbs/20_quantized.ipynb #f738d2f9
 _UPDATE_KEYS = ("stall", "pred_stall", "update_ratio", "rho", "lost_update", "flip_back", "zero_frac", "residual_ulp")
 
 def quant_metrics(model: nn.Module, block: bool = True) -> dict:
@@ -557,10 +618,12 @@ def quant_metrics(model: nn.Module, block: bool = True) -> dict:
     with `block`, the block layers' diagnostics (`block_gemm.block_metrics`)."""
     return queue_quant_metrics(HostRead(), model, block).metrics()
 
+# %% ../nbs/20_quantized.ipynb #292d207b
 def queue_quant_metrics(reads: HostRead, model: nn.Module, block: bool = True) -> HostRead:
     """Queue `quant_metrics` on `reads`: the counts and statistics are taken (copied) and reset now, read with the step.
     `block=False` leaves out the block layers' diagnostics (the trainer computes them on the steps it logs only)."""
-    layers, grid = quantized_layers(model), grid_block_layers(model)   # grid: block layers whose weights live on their grid
+    # grid: block layers whose weights live on their grid
+    layers, grid = quantized_layers(model), grid_block_layers(model)
     blk = block_metric_parts(model) if block else None   # block layers' diagnostics on the device (08_block_gemm)
     if not layers and not grid: return reads.add(*blk) if blk else reads.add(torch.zeros(0), lambda _: {})
     rows, meta, upd = [], [], []
@@ -569,15 +632,21 @@ def queue_quant_metrics(reads: HostRead, model: nn.Module, block: bool = True) -
             c, n = q.read_counts()
             if n: rows.append(c); meta.append((name, role, n, q.qfmt.overflow != "saturate"))
         if m._stall is not None: upd.append((name, m, m._stall))
-        if m._decay is not None: rows.append(torch.cat([m._decay, m._decay.new_zeros(1)])); meta.append((name, "decay", 0, False))
-        if m.clip_k is not None: rows.append(torch.stack([m._clipped, m._clipped, m._clipped])); meta.append((name, "clip", m.qg.total, False))
+        if m._decay is not None:
+            rows.append(torch.cat([m._decay, m._decay.new_zeros(1)])); meta.append((name, "decay", 0, False))
+        if m.clip_k is not None:
+            rows.append(torch.stack([m._clipped, m._clipped, m._clipped]))
+            meta.append((name, "clip", m.qg.total, False))
     for name, m in grid:                                              # their update statistics and decay term, as above
         if m._stall is not None: upd.append((name, m, m._stall))
-        if m._decay is not None: rows.append(torch.cat([m._decay, m._decay.new_zeros(1)])); meta.append((name, "decay", 0, False))
+        if m._decay is not None:
+            rows.append(torch.cat([m._decay, m._decay.new_zeros(1)])); meta.append((name, "decay", 0, False))
     summed, totals = [], torch.zeros(0)
     if rows and is_distributed():      # counts and element totals summed over ranks before the rates are formed
-        summed = [i for i, (_, role, *_r) in enumerate(meta) if role != "decay"]   # the decay term is the same everywhere
-        t = torch.stack([torch.cat([rows[i].to(rows[0].device, torch.float64), rows[0].new_tensor([meta[i][2]], dtype=torch.float64)])
+        # the decay term is the same everywhere
+        summed = [i for i, (_, role, *_r) in enumerate(meta) if role != "decay"]
+        t = torch.stack([torch.cat([rows[i].to(rows[0].device, torch.float64),
+                                    rows[0].new_tensor([meta[i][2]], dtype=torch.float64)])
                          for i in summed])
         all_reduce_sum(t)
         for j, i in enumerate(summed): rows[i] = t[j, :3]
@@ -602,8 +671,10 @@ def queue_quant_metrics(reads: HostRead, model: nn.Module, block: bool = True) -
                       *([blk[0].to(dev)] if blk else [])])
     return reads.add(flat, build)
 
+# %% ../nbs/20_quantized.ipynb #d3edf17a
 def _quant_metrics_dict(meta: list, vals: list, upd: list, sums: list) -> dict:
-    "`quant_metrics`' dict from the numbers read: range counts, decay and clip rows (`meta`), update statistics (`upd`)."
+    """`quant_metrics`' dict from the numbers read: range counts, decay and clip rows (`meta`), update statistics
+    (`upd`)."""
     out, ovf_max = {}, 0.0
     for (name, role, n, nonsat), (a, b, c) in zip(meta, vals):
         if role == "clip":
@@ -623,12 +694,14 @@ def _quant_metrics_dict(meta: list, vals: list, upd: list, sums: list) -> dict:
                 if k == "residual_ulp" and not LANDINGS[m.weight_update].residual: continue
                 out[f"{k}/{name}"] = d[k]
         tot = stats_dict([sum(col) for col in zip(*sums)])
-        tot["update_ratio"] = float(torch.tensor([v[STAT_FIELDS.index("r_median")] for v in sums]).median())  # median of layer medians
+        # median of layer medians
+        tot["update_ratio"] = float(torch.tensor([v[STAT_FIELDS.index("r_median")] for v in sums]).median())
         for k in _UPDATE_KEYS:
             if any(f"{k}/{name}" in out for name, *_ in upd): out[f"{k}/total"] = tot[k]
     out["overflow/max"] = ovf_max
     return out
 
+# %% ../nbs/20_quantized.ipynb #b05de7fe
 def quant_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     """256-code histograms of the last quantized W, A and G of every layer (computed now, from retained tensors), and
     `r`: the last update's log2(|u|/ulp) histogram (`grid.ratio_histogram`, bins `grid.R_EDGES`)."""
@@ -639,6 +712,7 @@ def quant_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
             q = getattr(m, "q" + role)
             if q.last is not None and q.scale.numel():
                 h[role] = bit_histogram(q.last, q.fmt, q.scale, q.granularity, q.block_size).cpu()
-        if m._last_update is not None: h["r"] = ratio_histogram(m._last_update[0], m._last_update[1], m.qw.qfmt, m._last_update[2]).cpu()
+        if m._last_update is not None:
+            h["r"] = ratio_histogram(m._last_update[0], m._last_update[1], m.qw.qfmt, m._last_update[2]).cpu()
         if h: out[name] = h
     return out | block_histograms(model)

@@ -34,7 +34,8 @@ def quant_pre_step(model: nn.Module, snapshot: dict[str, torch.Tensor] | None = 
 
 # %% ../nbs/24_step.ipynb #bed93994
 def _land(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant: torch.Tensor | None):
-    "Land `before + u` on layer `m`'s grid by its landing: new scale, weight, residual, amax; then the step's statistics."
+    """Land `before + u` on layer `m`'s grid by its landing: new scale, weight, residual, amax; then the step's
+    statistics."""
     q, w = m.qw, m.weight
     s_old, landing = m.grid_scale, LANDINGS[m.weight_update]
     res = m.residual.float() if landing.residual and m.residual.shape == w.shape else None
@@ -57,8 +58,10 @@ def _land(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant
     m.w_prev = before
     m.updates += 1; m._updates_n += 1
 
+# %% ../nbs/24_step.ipynb #6824d8a5
 def _decay_kept(m, before: torch.Tensor, sn: torch.Tensor, c_decay: float, fmt=None) -> torch.Tensor:
-    "`[<landed decay, d>, ||d||^2]` of the decay term `d = -c w` landed alone by `m`'s landing (a residual's landing: nearest)."
+    """`[<landed decay, d>, ||d||^2]` of the decay term `d = -c w` landed alone by `m`'s landing (a residual's landing:
+    nearest)."""
     landing, fmt = LANDINGS[m.weight_update], m.qw.qfmt if fmt is None else fmt
     d = -c_decay * before.float()
     alone = "nearest" if landing.residual else m.weight_update      # the decay alone carries no residual
@@ -66,8 +69,10 @@ def _decay_kept(m, before: torch.Tensor, sn: torch.Tensor, c_decay: float, fmt=N
     dl = land(before, d, fmt, sn, alone, None, gd)[0] - before.float()
     return torch.stack([(dl * d).sum(dtype=torch.float64), (d * d).sum(dtype=torch.float64)])
 
+# %% ../nbs/24_step.ipynb #2f748429
 def _land_block(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant: torch.Tensor | None):
-    "`_land` for a block layer: `before + u` lands on its block grid (`land_block`); statistics against each weight's block ulp."
+    """`_land` for a block layer: `before + u` lands on its block grid (`land_block`); statistics against each weight's
+    block ulp."""
     w, r, landing = m.weight, m.config.recipe, LANDINGS[m.weight_update]
     res = m.residual.float() if landing.residual and m.residual.shape == w.shape else None
     gen = sr_generator(m.seed, m.layer_id, m._updates_n) if landing.stochastic else None
@@ -88,6 +93,7 @@ def _store_block_residual(c: torch.Tensor, dtype: str, recipe) -> torch.Tensor:
     "The residual as stored between steps: float32, bfloat16, or (`format`) block-quantized in the layer's own recipe."
     return quantize_blocks(c, recipe, weight=True).values if dtype == "format" else store_residual(c, dtype, None)
 
+# %% ../nbs/24_step.ipynb #14544afa
 def _measure_view(m, before: torch.Tensor, u: torch.Tensor):
     "FP32 master weights: the stored weight's fidelity and the stall of the 8-bit view the forward uses."
     q, w = m.qw, m.weight
@@ -95,14 +101,15 @@ def _measure_view(m, before: torch.Tensor, u: torch.Tensor):
     m._stall = update_stats(before, u, w.detach(), q.qfmt, se, view_stall=True)
     m._last_update = (before, u, se)
 
-# %% ../nbs/24_step.ipynb #feb35aaf
+# %% ../nbs/24_step.ipynb #c00c3b08
 @torch.no_grad()
 def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict | None = None) -> dict:
     """After `optimizer.step()`: land the weights on the grid (`master_weights='format'`) and measure the update.
 
     The optimizer proposed `u = w - w_before` (FP32). With weights on the grid, the new scale comes from the *updated*
     weight (`grid.regrid_scale`: kept while T/4 < amax*s <= T + ulp(T)/2, else moved by a power of two into (T/2, T]),
-    `w_before + u` lands on that grid by the layer's landing, `weight_update` (`grid.land`), and the new amax goes into the
+    `w_before + u` lands on that grid by the layer's landing, `weight_update` (`grid.land`), and the new amax goes into
+    the
     W quantizer's history. Every layer then records `grid.update_stats` of the step: measured stall (the quantized
     weight did not change; with FP32 master weights, under the scale the last forward used), `r = |u|/ulp`, fidelity
     of the stored weight, flip-back, zero/subnormal codes and the landing's residual.
@@ -133,7 +140,8 @@ def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict 
 
 # %% ../nbs/24_step.ipynb #33b90906
 def decay_factors(optimizer, spec) -> dict:
-    "{parameter: c}: this step's weight decay shrinks w to (1 - c) w, by the optimizer's registry entry (`spec.decay_shrink`)."
+    """{parameter: c}: this step's weight decay shrinks w to (1 - c) w, by the optimizer's registry entry
+    (`spec.decay_shrink`)."""
     out = {}
     for g in optimizer.param_groups:
         lr, wd = g.get("lr", 0.0), g.get("weight_decay", 0.0)
@@ -142,8 +150,10 @@ def decay_factors(optimizer, spec) -> dict:
         for p in g["params"]: out[p] = c
     return out
 
+# %% ../nbs/24_step.ipynb #042ea0e9
 def absorb_landing_errors(model: nn.Module, optimizer, spec):
-    "ECO: hand each layer's landing error of this step to the optimizer (`spec.absorb_error`); no-op for other landings."
+    """ECO: hand each layer's landing error of this step to the optimizer (`spec.absorb_error`); no-op for other
+    landings."""
     for _, layer in quantized_layers(model) + grid_block_layers(model):
         e, layer._landing_error = layer._landing_error, None
         if e is not None and spec.absorb_error is not None: spec.absorb_error(optimizer, layer.weight, e)
@@ -155,12 +165,15 @@ class GridStep:
         self.model, self.optimizer, self.spec = model, optimizer, spec
 
     def step(self, snapshot: dict | None = None):
-        "Snapshot, the base optimizer's step, the landing (with the decay term and the step's statistics), the hand-back."
+        """Snapshot, the base optimizer's step, the landing (with the decay term and the step's statistics), the
+        hand-back."""
         quant_pre_step(self.model, snapshot)
         self.optimizer.step()
-        with torch.profiler.record_function("altgrad.quant_post_step"):     # (a label for `layer_time_share`; free otherwise)
+        # (a label for `layer_time_share`; free otherwise)
+        with torch.profiler.record_function("altgrad.quant_post_step"):
             meant = self.spec.intended                   # an optimizer that lands on the grid itself says what it meant
             quant_post_step(self.model, decay_factors(self.optimizer, self.spec), meant and meant(self.optimizer))
         absorb_landing_errors(self.model, self.optimizer, self.spec)
 
-    def __repr__(self): return f"GridStep({type(self.optimizer).__name__}, {len(quantized_layers(self.model))} 8-bit layers)"
+    def __repr__(self):
+        return f"GridStep({type(self.optimizer).__name__}, {len(quantized_layers(self.model))} 8-bit layers)"
