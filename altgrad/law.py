@@ -29,12 +29,12 @@ def isotonic(x, y, increasing: bool = True) -> dict:
     fit = np.concatenate([[b[0]] * b[2] for b in blocks])
     return dict(x=ux.tolist(), y=(fit if increasing else -fit).tolist(), increasing=increasing)
 
-# %% ../nbs/34_law.ipynb #2204647b
+# %% ../nbs/34_law.ipynb #4746b39b
 def iso_predict(fit: dict, xq) -> np.ndarray:
     "The fitted curve at `xq` (linear between knots, flat beyond the ends)."
     return np.interp(np.asarray(xq, dtype=float), fit["x"], fit["y"])
 
-# %% ../nbs/34_law.ipynb #db24f4d9
+# %% ../nbs/34_law.ipynb #2ecdf1c8
 def r_squared(y, yhat) -> float | None:
     "1 − SS_res / SS_tot (None when y is constant or has fewer than 2 values)."
     y, yhat = np.asarray(y, dtype=float), np.asarray(yhat, dtype=float)
@@ -44,7 +44,7 @@ def r_squared(y, yhat) -> float | None:
 # %% ../nbs/34_law.ipynb #36h84a94
 ONE_CURVE = dict(r2=0.7, lofo_rel=0.6)
 
-# %% ../nbs/34_law.ipynb #b0aa7ce2
+# %% ../nbs/34_law.ipynb #67cf8953
 def lofo_error(x, y, groups, increasing: bool = True) -> dict:
     """Leave-one-group-out: fit on the other groups, predict this one's points; `{'rmse', 'per_group': {g: rmse}}`
     (None: < 2 groups)."""
@@ -58,7 +58,7 @@ def lofo_error(x, y, groups, increasing: bool = True) -> dict:
         per[g] = float(np.sqrt((err[m] ** 2).mean()))
     return dict(rmse=float(np.sqrt((err ** 2).mean())), per_group=per)
 
-# %% ../nbs/34_law.ipynb #1218904b
+# %% ../nbs/34_law.ipynb #988f817b
 def law_fit(points: list, increasing: bool = True) -> dict:
     """The isotonic law through `points` (`{'fmt', 'x', 'y'}`, non-finite left out): R², LOFO error, and whether it is
     one curve."""
@@ -95,7 +95,7 @@ def half_rise(fit: dict | None) -> dict | None:
     at = lambda q: float(x[np.argmax(y >= y[0] + q * span)])
     return dict(x_half=at(0.5), width=abs(at(0.9) - at(0.1)) / (abs(float(x[-1] - x[0])) or 1.0), rise=span)
 
-# %% ../nbs/34_law.ipynb #fe9d00eb
+# %% ../nbs/34_law.ipynb #c5a6fbbc
 def law_text(name: str, L: dict, xname: str = "nearest's predicted stall") -> str:
     """One paragraph on the law of `name` (e.g. 'the master-weight gap') from `law_fit`'s result, with the literature
     comparison."""

@@ -46,7 +46,7 @@ SYN_LAYERS = ["transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc", "transf
 _SYN_LINEAR = SYN_LAYERS + ["transformer.h.1.attn.c_proj"]   # the 4th stays in high precision
 _N_RBINS = 48                                                 # len(altgrad.grid.R_EDGES) - 1
 
-# %% ../nbs/33_testing.ipynb #c567f114
+# %% ../nbs/33_testing.ipynb #0b5f4b94
 def _syn_mechanism(s: int, layers: list[str], on_grid: bool, kahan: bool) -> dict:
     "Update-mechanism metrics of synthetic step `s`: simple functions of the step and the layer index."
     r = {}
@@ -62,7 +62,7 @@ def _syn_mechanism(s: int, layers: list[str], on_grid: bool, kahan: bool) -> dic
     r["stall/total"] = 0.3
     return r
 
-# %% ../nbs/33_testing.ipynb #54021f1f
+# %% ../nbs/33_testing.ipynb #561a0f08
 def _syn_record(s: int, rng, fmt, shadow: bool, cos, divergence_at, lost_update, mechanism: bool, on_grid: bool,
                 kahan: bool) -> dict:
     "One synthetic step's metrics (before NaN and validation)."
@@ -87,7 +87,7 @@ def _syn_record(s: int, rng, fmt, shadow: bool, cos, divergence_at, lost_update,
             for i, l in enumerate(SYN_LAYERS): r[f"grad_cos_sim/{l}.weight"] = q + 0.001 * (i - 1)
     return r
 
-# %% ../nbs/33_testing.ipynb #ad5d8da6
+# %% ../nbs/33_testing.ipynb #c32ba462
 def _syn_histograms(rng, steps: int, mechanism: bool) -> dict:
     h = {str(s): {l: {t: rng.integers(0, 50, 256).tolist() for t in "wag"} for l in SYN_LAYERS}
          for s in (1, steps // 2, steps)}
