@@ -89,8 +89,8 @@ def ensure_data(data_dir: str | None, out) -> str:
         try: load_meta(data_dir)
         except Exception as e:
             raise FileNotFoundError(f"data_dir={data_dir!r} is not a prepared EurLex folder ({e}); run "
-                                    f"`altgrad-prepare --source ../shared/data/eurlex --out {data_dir}` "
-                                    f"first") from None
+                                    f"`altgrad-prepare --source ../shared/data/eurlex --out {data_dir}` first"
+                                    ) from None
         return str(data_dir)
     d = Path(out) / "_data" / "eurlex"
     src = shared_data_dir()
