@@ -13,9 +13,11 @@ __all__ = ['ONE_CURVE', 'isotonic', 'iso_predict', 'r_squared', 'lofo_error', 'l
 
 # %% ../nbs/34_law.ipynb #36h83050
 def isotonic(x, y, increasing: bool = True) -> dict:
-    "Least-squares monotone fit: `{'x': knots, 'y': fitted values at the knots, 'increasing'}` (equal x pooled by their mean)."
+    """Least-squares monotone fit: `{'x': knots, 'y': fitted values at the knots, 'increasing'}` (equal x pooled by
+    their mean)."""
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    if len(x) != len(y) or not len(x): raise ValueError(f"isotonic needs matching non-empty x and y, got {len(x)} and {len(y)}")
+    if len(x) != len(y) or not len(x):
+        raise ValueError(f"isotonic needs matching non-empty x and y, got {len(x)} and {len(y)}")
     ux, inv = np.unique(x, return_inverse=True)
     w = np.bincount(inv).astype(float); v = np.bincount(inv, weights=y if increasing else -y) / w
     blocks = []                                             # [value, weight, count of knots]
@@ -27,10 +29,12 @@ def isotonic(x, y, increasing: bool = True) -> dict:
     fit = np.concatenate([[b[0]] * b[2] for b in blocks])
     return dict(x=ux.tolist(), y=(fit if increasing else -fit).tolist(), increasing=increasing)
 
+# %% ../nbs/34_law.ipynb #4746b39b
 def iso_predict(fit: dict, xq) -> np.ndarray:
     "The fitted curve at `xq` (linear between knots, flat beyond the ends)."
     return np.interp(np.asarray(xq, dtype=float), fit["x"], fit["y"])
 
+# %% ../nbs/34_law.ipynb #2ecdf1c8
 def r_squared(y, yhat) -> float | None:
     "1 − SS_res / SS_tot (None when y is constant or has fewer than 2 values)."
     y, yhat = np.asarray(y, dtype=float), np.asarray(yhat, dtype=float)
@@ -40,8 +44,10 @@ def r_squared(y, yhat) -> float | None:
 # %% ../nbs/34_law.ipynb #36h84a94
 ONE_CURVE = dict(r2=0.7, lofo_rel=0.6)
 
+# %% ../nbs/34_law.ipynb #67cf8953
 def lofo_error(x, y, groups, increasing: bool = True) -> dict:
-    "Leave-one-group-out: fit on the other groups, predict this one's points; `{'rmse', 'per_group': {g: rmse}}` (None: < 2 groups)."
+    """Leave-one-group-out: fit on the other groups, predict this one's points; `{'rmse', 'per_group': {g: rmse}}`
+    (None: < 2 groups)."""
     x, y, groups = np.asarray(x, dtype=float), np.asarray(y, dtype=float), np.asarray(groups, dtype=object)
     names = list(dict.fromkeys(groups.tolist()))
     if len(names) < 2: return dict(rmse=None, per_group={})
@@ -52,8 +58,10 @@ def lofo_error(x, y, groups, increasing: bool = True) -> dict:
         per[g] = float(np.sqrt((err[m] ** 2).mean()))
     return dict(rmse=float(np.sqrt((err ** 2).mean())), per_group=per)
 
+# %% ../nbs/34_law.ipynb #988f817b
 def law_fit(points: list, increasing: bool = True) -> dict:
-    "The isotonic law through `points` (`{'fmt', 'x', 'y'}`, non-finite left out): R², LOFO error, and whether it is one curve."
+    """The isotonic law through `points` (`{'fmt', 'x', 'y'}`, non-finite left out): R², LOFO error, and whether it is
+    one curve."""
     pts = [p for p in points if finite(p.get("x")) and finite(p.get("y"))]
     out = dict(n=len(pts), formats=sorted({p["fmt"] for p in pts}), increasing=increasing, r2=None, lofo_rmse=None,
                sd_y=None, lofo_rel=None, r2_lofo=None, one_curve=None, fit=None, per_format={})
@@ -63,7 +71,7 @@ def law_fit(points: list, increasing: bool = True) -> dict:
     sd = float(np.std(y, ddof=1))
     out.update(fit=fit, r2=r_squared(y, iso_predict(fit, x)), lofo_rmse=lo["rmse"], sd_y=sd, per_format=lo["per_group"],
                lofo_rel=lo["rmse"] / sd if lo["rmse"] is not None and sd > 0 else None)
-    if out["lofo_rel"] is not None:     # out of sample: 1 − SS_lofo / SS_tot (an isotonic fit's in-sample R² flatters it)
+    if out["lofo_rel"] is not None:  # out of sample: 1 − SS_lofo / SS_tot (an isotonic fit's in-sample R² flatters it)
         out["r2_lofo"] = 1.0 - len(y) * lo["rmse"] ** 2 / ((len(y) - 1) * sd ** 2)
     if out["r2"] is not None and out["lofo_rel"] is not None:
         out["one_curve"] = out["r2"] >= ONE_CURVE["r2"] and out["lofo_rel"] <= ONE_CURVE["lofo_rel"]
@@ -77,7 +85,8 @@ def format_correlation(per_format: dict) -> dict:
 
 # %% ../nbs/34_law.ipynb #36h8bc57
 def half_rise(fit: dict | None) -> dict | None:
-    "Where the fitted curve makes half its total rise, and the share of the x-range it takes to go from 10% to 90% of it."
+    """Where the fitted curve makes half its total rise, and the share of the x-range it takes to go from 10% to 90% of
+    it."""
     if not fit or len(fit["x"]) < 2: return None
     x, y = np.asarray(fit["x"]), np.asarray(fit["y"])
     y = y if fit["increasing"] else y[::-1]; x = x if fit["increasing"] else x[::-1]
@@ -86,28 +95,34 @@ def half_rise(fit: dict | None) -> dict | None:
     at = lambda q: float(x[np.argmax(y >= y[0] + q * span)])
     return dict(x_half=at(0.5), width=abs(at(0.9) - at(0.1)) / (abs(float(x[-1] - x[0])) or 1.0), rise=span)
 
+# %% ../nbs/34_law.ipynb #c5a6fbbc
 def law_text(name: str, L: dict, xname: str = "nearest's predicted stall") -> str:
-    "One paragraph on the law of `name` (e.g. 'the master-weight gap') from `law_fit`'s result, with the literature comparison."
-    if L.get("r2") is None: return f"The law of {name} could not be fitted ({L.get('n', 0)} points with both numbers; at least 3 are needed)."
-    s = (f"For {name}, one {'increasing' if L['increasing'] else 'decreasing'} curve of {xname} through all {L['n']} format × rate points "
-         f"({len(L['formats'])} formats) explains R² = {L['r2']:.2f} of the variation; predicting each format from the others "
-         f"misses by {L['lofo_rmse']:.3f} nats RMSE ({L['lofo_rel']:.2f} × the points' SD of {L['sd_y']:.3f}; out-of-sample "
-         f"R² = {L['r2_lofo']:.2f}). ")
+    """One paragraph on the law of `name` (e.g. 'the master-weight gap') from `law_fit`'s result, with the literature
+    comparison."""
+    if L.get("r2") is None: return (f"The law of {name} could not be fitted ({L.get('n', 0)} points with both "
+                                    f"numbers; at least 3 are needed).")
+    s = (f"For {name}, one {'increasing' if L['increasing'] else 'decreasing'} curve of {xname} through all {L['n']} "
+         f"format × rate points ({len(L['formats'])} formats) explains R² = {L['r2']:.2f} of the variation; "
+         f"predicting each format from the others misses by {L['lofo_rmse']:.3f} nats RMSE ({L['lofo_rel']:.2f} × the "
+         f"points' SD of {L['sd_y']:.3f}; out-of-sample R² = {L['r2_lofo']:.2f}). ")
     if L["one_curve"]: s += "The points fall on one curve: the stall, not the format as such, organises the effect. "
     else:
         why = [w for w, bad in (("the fit leaves most of the variation unexplained", L["r2"] < ONE_CURVE["r2"]),
-                                ("the curve does not transfer to a held-out format", L["lofo_rel"] > ONE_CURVE["lofo_rel"])) if bad]
+                                ("the curve does not transfer to a held-out format",
+                                 L["lofo_rel"] > ONE_CURVE["lofo_rel"])) if bad]
         s += f"The points do not fall on one curve ({' and '.join(why)}): the stall alone does not explain the effect. "
     h = half_rise(L["fit"])
-    xia = ("consistent with the stagnation account of Xia et al. (arXiv 2202.12276), in which the loss grows with the share of "
-           "updates below half a grid step" if L["one_curve"] else
-           "not what the stagnation account of Xia et al. (arXiv 2202.12276) predicts if stagnation were the whole story")
+    xia = ("consistent with the stagnation account of Xia et al. (arXiv 2202.12276), in which the loss grows with the "
+           "share of updates below half a grid step" if L["one_curve"] else
+           "not what the stagnation account of Xia et al. (arXiv 2202.12276) predicts if stagnation were the whole "
+           "story")
     if h is None: return s + f"The fitted curve is flat, {xia.replace('consistent with', 'which gives no support to')}."
     sharp = h["width"] < 0.25
-    return s + (f"This is {xia}. The fitted curve rises by {h['rise']:.3f} nats in all, half of it by x = {h['x_half']:.3g}, and goes from "
-                f"10% to 90% of its rise over {h['width']:.0%} of the observed range: "
-                + ("a sharp threshold, the shape the criterion of arXiv 2505.19115 (gradient norm below √3 × quantization noise) predicts."
-                   if sharp else "a gradual rise rather than the sharp threshold that the criterion of arXiv 2505.19115 "
-                   "(gradient norm below √3 × quantization noise) would produce.")
-                + " An isotonic fit is a step function that can pass through the extreme points exactly, so its shape is weak evidence "
-                "either way.")
+    return s + (f"This is {xia}. The fitted curve rises by {h['rise']:.3f} nats in all, half of it by x = "
+                f"{h['x_half']:.3g}, and goes from 10% to 90% of its rise over {h['width']:.0%} of the observed range: "
+                + ("a sharp threshold, the shape the criterion of arXiv 2505.19115 (gradient norm below √3 × "
+                   "quantization noise) predicts."
+                   if sharp else "a gradual rise rather than the sharp threshold that the criterion of arXiv "
+                   "2505.19115 (gradient norm below √3 × quantization noise) would produce.")
+                + " An isotonic fit is a step function that can pass through the extreme points exactly, so its shape "
+                "is weak evidence either way.")

@@ -34,6 +34,7 @@ def short_layer(name: str) -> str:
     "`transformer.h.3.mlp.c_fc` -> `h3.mlp.c_fc`."
     return re.sub(r"^transformer\.h\.(\d+)\.", r"h\1.", name)
 
+# %% ../nbs/30_report.ipynb #843469c5
 def _events(run: Run) -> list[dict]:
     ev = []
     for k in run.keys("intervention/"):
@@ -41,6 +42,7 @@ def _events(run: Run) -> list[dict]:
         ev += [dict(step=int(a), layer=k[len("intervention/"):]) for a, b in zip(s, v) if b]
     return ev
 
+# %% ../nbs/30_report.ipynb #23d520a7
 def smooth(v, window: int = SMOOTH_WINDOW) -> np.ndarray:
     "Trailing running mean of the last `window` finite values of `v` (NaN at non-finite entries)."
     v = np.asarray(v, dtype=float); out = np.full(len(v), np.nan); buf = []
@@ -50,12 +52,14 @@ def smooth(v, window: int = SMOOTH_WINDOW) -> np.ndarray:
         out[i] = sum(buf) / len(buf)
     return out
 
+# %% ../nbs/30_report.ipynb #2d9fb301
 def legend(ax, **kw):
     "`ax.legend(**kw)` when the axes hold labelled artists (no legend, and no matplotlib warning, otherwise)."
     if ax.get_legend_handles_labels()[0]: ax.legend(**kw)
 
 # %% ../nbs/30_report.ipynb #19ad3952
-def plot_loss(run: Run, ref: Run | None = None, label: str = "8-bit", ref_label: str = "reference", window: int = SMOOTH_WINDOW):
+def plot_loss(run: Run, ref: Run | None = None, label: str = "8-bit", ref_label: str = "reference",
+              window: int = SMOOTH_WINDOW):
     """Train (raw, faint; running mean over `window` steps, bold) and validation loss (left), validation perplexity
     (right); the reference in black dashes drawn on top (its per-batch loss is left out: it would hide the run's)."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
@@ -66,8 +70,10 @@ def plot_loss(run: Run, ref: Run | None = None, label: str = "8-bit", ref_label:
     a2.plot(s, np.exp(np.minimum(v, 50)), "o-", color="C3", ms=3, label=label)
     if ref is not None:
         s, v = ref.series("train/loss")
-        a1.plot(s, smooth(v, window), "--", color="k", lw=1.1, zorder=4, label=f"{ref_label} train (running mean, {window} steps)")
-        s, v = ref.series("val/loss"); a1.plot(s, v, "s--", color="k", ms=2.5, lw=0.9, zorder=4, label=f"{ref_label} val")
+        a1.plot(s, smooth(v, window), "--", color="k", lw=1.1, zorder=4, label=f"{ref_label} train (running mean, "
+                f"{window} steps)")
+        s, v = ref.series("val/loss")
+        a1.plot(s, v, "s--", color="k", ms=2.5, lw=0.9, zorder=4, label=f"{ref_label} val")
         a2.plot(s, np.exp(np.minimum(v, 50)), "s--", color="k", ms=2.5, lw=0.9, zorder=4, label=ref_label)
     s, v = run.series("train/loss")
     bad = s[~np.isfinite(v)]
@@ -79,14 +85,18 @@ def plot_loss(run: Run, ref: Run | None = None, label: str = "8-bit", ref_label:
 
 # %% ../nbs/30_report.ipynb #8dc4ceaa
 def quantized_layer_names(run: Run) -> list[str]:
-    "The 8-bit layers: from `summary.json` (`quantized_layer_names`), else the layers with per-layer overflow/stall keys."
+    """The 8-bit layers: from `summary.json` (`quantized_layer_names`), else the layers with per-layer overflow/stall
+    keys."""
     names = run.summary.get("quantized_layer_names")
     if names is not None: return list(names)
     found = {k.split("/")[1] for k in run.keys("overflow/") if k.count("/") == 2}
-    if not found: found = {k[len("stall/"):] for k in run.keys("stall/") if "/" not in k[len("stall/"):]} - {"total", "mean", "max"}
+    if not found:
+        found = ({k[len("stall/"):] for k in run.keys("stall/") if "/" not in k[len("stall/"):]}
+                 - {"total", "mean", "max"})
     natural = lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)]
     return sorted(found, key=natural)
 
+# %% ../nbs/30_report.ipynb #3e5aaebc
 def quantized_cos_series(run: Run) -> tuple[np.ndarray, np.ndarray, str | None]:
     """(steps, values, source) of the gradient cosine over the 8-bit layers' weights: `grad_cos_sim/quantized_mean`
     ('logged'), else the per-step mean of the per-layer `grad_cos_sim/<layer>.weight` ('derived'), else empty (None)."""
@@ -101,16 +111,21 @@ def quantized_cos_series(run: Run) -> tuple[np.ndarray, np.ndarray, str | None]:
     s, v = zip(*pts)
     return np.asarray(s), np.asarray(v), "derived"
 
+# %% ../nbs/30_report.ipynb #6496e982
 def plot_cosine(run: Run):
-    "Cosine similarity between the run's gradients and the FP32 shadow's: 8-bit layers' weights (headline) and all parameters."
+    """Cosine similarity between the run's gradients and the FP32 shadow's: 8-bit layers' weights (headline) and all
+    parameters."""
     fig, ax = plt.subplots(figsize=(7, 3.2))
     s, v, src = quantized_cos_series(run)
-    if len(s): ax.plot(s, v, "-", color="C3", lw=1.6, label="8-bit layers' weights, mean" + (" (from per-layer)" if src == "derived" else ""))
-    for k, st, lab in (("grad_cos_sim/mean", "-", "all parameters, mean"), ("grad_cos_sim/min", ":", "all parameters, min"),
+    if len(s): ax.plot(s, v, "-", color="C3", lw=1.6,
+                       label="8-bit layers' weights, mean" + (" (from per-layer)" if src == "derived" else ""))
+    for k, st, lab in (("grad_cos_sim/mean", "-", "all parameters, mean"),
+                       ("grad_cos_sim/min", ":", "all parameters, min"),
                        ("grad_cos_sim/global", "--", "all parameters, global")):
         s, v = run.series(k)
         if len(s): ax.plot(s, v, st, color="0.4", lw=0.9, label=lab)
-    ax.set(xlabel="step", ylabel="cosine similarity", title="gradient agreement with the FP32 shadow", ylim=(None, 1.01))
+    ax.set(xlabel="step", ylabel="cosine similarity", title="gradient agreement with the FP32 shadow",
+           ylim=(None, 1.01))
     legend(ax, fontsize=8); fig.tight_layout(); return fig
 
 # %% ../nbs/30_report.ipynb #a1c12d59
@@ -126,11 +141,13 @@ def layer_matrix(run: Run, prefix: str) -> tuple[list[str], np.ndarray, np.ndarr
             if isinstance(v, (int, float)): m[i, j] = v
     return [_layer_of(k, prefix) for k in keys], steps, m
 
+# %% ../nbs/30_report.ipynb #7117e556
 HEATMAP_PERCENTILE = 99   # the colour scale of a heat map (a rate) runs from 0 to this percentile of its values
 
 def colour_range(m, pct=HEATMAP_PERCENTILE) -> tuple[float, float, str]:
-    """(0, high, what high is) of the colour scale of a rate matrix `m`: high is the `pct` percentile of its finite values,
-    the maximum when that percentile is 0 (sparse: a few nonzero cells), 1 when every value is 0 (or none is finite)."""
+    """(0, high, what high is) of the colour scale of a rate matrix `m`: high is the `pct` percentile of its finite
+    values, the maximum when that percentile is 0 (sparse: a few nonzero cells), 1 when every value is 0 (or none is
+    finite)."""
     v = np.asarray(m, dtype=float); v = v[np.isfinite(v)]
     if not len(v) or v.max() <= 0: return 0.0, 1.0, "every value is 0"
     hi = float(np.percentile(v, pct))
@@ -167,6 +184,7 @@ def hotspots(run: Run, prefix: str, k: int = 3) -> list[tuple[str, float, float,
         rows.append((name, float(np.nanmean(row)), float(row[j]), int(steps[j])))
     return sorted(rows, key=lambda t: -t[1])[:k]
 
+# %% ../nbs/30_report.ipynb #0d6ddcf9
 def pick_layers(names: list[str], k: int = 3) -> list[str]:
     "An early, a middle and a late layer (by position in the model)."
     if len(names) <= k: return list(names)
@@ -201,6 +219,7 @@ def first_nan_step(run: Run) -> int | None:
     bad = s[~np.isfinite(v)]
     return int(bad[0]) if len(bad) else None
 
+# %% ../nbs/30_report.ipynb #ace32156
 def nan_origin(run: Run) -> str | None:
     "Where the first non-finite value appeared (a layer/parameter name, or 'loss')."
     step = first_nan_step(run)
@@ -219,18 +238,21 @@ def failure_analysis(run: Run, before: int = 5) -> dict | None:
     prev = [r for r in run.metrics if step - before <= r["step"] < step]
     last = prev[-1] if prev else {}
     top = lambda pre, n=5: sorted(((k, v) for k, v in last.items() if k.startswith(pre) and isinstance(v, (int, float))
-                                    and not k.endswith(("/total", "/max", "/mean"))), key=lambda kv: -abs(kv[1]) if math.isfinite(kv[1]) else -math.inf)[:n]
+                                    and not k.endswith(("/total", "/max", "/mean"))),
+                                    key=lambda kv: -abs(kv[1]) if math.isfinite(kv[1]) else -math.inf)[:n]
     return dict(step=step, origin=nan_origin(run),
                 losses_before=[(r["step"], r.get("train/loss")) for r in prev],
-                grad_norm_before=last.get("grad_norm_l2/total"), top_overflow=top("overflow/"), top_grad_norm=top("grad_norm_linf/"),
-                checkpoint=_anomaly_checkpoint(run))
+                grad_norm_before=last.get("grad_norm_l2/total"), top_overflow=top("overflow/"),
+                top_grad_norm=top("grad_norm_linf/"), checkpoint=_anomaly_checkpoint(run))
 
+# %% ../nbs/30_report.ipynb #076e732b
 def _anomaly_checkpoint(run: Run) -> str | None:
-    "The checkpoint saved at the first NaN: on disk in the run folder, else where `summary.json` says (made relative to the run folder)."
+    """The checkpoint saved at the first NaN: on disk in the run folder, else where `summary.json` says (made relative
+    to the run folder)."""
     ck = sorted((run.dir / "checkpoints").glob("anomaly*")) if (run.dir / "checkpoints").exists() else []
     if ck: return str(ck[0])
     a, rd = run.summary.get("anomaly_checkpoint"), run.summary.get("run_dir")
-    if a and rd and os.path.isabs(a) == os.path.isabs(rd):   # both as the trainer saw them: no dependence on today's cwd
+    if a and rd and os.path.isabs(a) == os.path.isabs(rd):  # both as the trainer saw them: no dependence on today's cwd
         rel = os.path.relpath(a, rd)
         if not rel.startswith(".."): return str(run.dir / rel)
     return a
@@ -242,6 +264,7 @@ def mean_quantized_cos(run: Run) -> tuple[float | None, str | None]:
     v = v[np.isfinite(v)]
     return (float(v.mean()), src) if len(v) else (None, None)
 
+# %% ../nbs/30_report.ipynb #051b1fae
 def divergence_steps(run: Run) -> list[int]:
     "Steps at which the trainer's divergence flag (`divergence`, or `*/divergence`) was set."
     keys = [k for k in run.keys() if k == "divergence" or k.endswith("/divergence")]
@@ -269,7 +292,8 @@ def verdict(run: Run, ref: Run | None, tolerance: float = 0.10, min_cos: float =
         bad.append("no gradient cosine over 8-bit layers' weights was logged (`grad_cos_sim/quantized_mean` absent: "
                    + ("an FP32 run, no 8-bit layers" if not run.fmt else "no FP32 shadow") + ")")
     else:
-        t = f"the mean gradient cosine over the 8-bit layers' weights is {c:.3f}" + (" (derived from the per-layer cosines)" if src == "derived" else "")
+        t = (f"the mean gradient cosine over the 8-bit layers' weights is {c:.3f}"
+             + (" (derived from the per-layer cosines)" if src == "derived" else ""))
         if c > min_cos: ok.append(t + f" (above {min_cos:g})")
         else: bad.append(t + f" (not above {min_cos:g})")
     div = divergence_steps(run)
@@ -288,16 +312,20 @@ def _max_over(run: Run, prefix: str) -> float | None:
     vals = [v for k in run.keys(prefix) for v in run.series(k)[1] if np.isfinite(v)]
     return float(max(vals)) if vals else None
 
+# %% ../nbs/30_report.ipynb #d284ddd4
 def train_loss_avg(run: Run, n: int = AVG_STEPS) -> tuple[float | None, int]:
     "(mean of the finite training losses of the last `n` logged steps, how many steps it averaged)."
     _, v = run.series("train/loss"); v = v[-n:]; v = v[np.isfinite(v)]
     return (float(v.mean()) if len(v) else None), len(v)
 
+# %% ../nbs/30_report.ipynb #541d2e68
 def progress_lost(l_run: float | None, l_ref: float | None, l_unigram: float | None) -> float | None:
-    "(L_run − L_ref) / (L_unigram − L_ref); None when a loss is missing or the reference did not beat the unigram baseline."
+    """(L_run − L_ref) / (L_unigram − L_ref); None when a loss is missing or the reference did not beat the unigram
+    baseline."""
     if l_run is None or l_ref is None or l_unigram is None or not l_unigram > l_ref: return None
     return (l_run - l_ref) / (l_unigram - l_ref)
 
+# %% ../nbs/30_report.ipynb #21f1e91d
 def layer_counts(run: Run) -> dict:
     "`quantized` of `linear` layers are 8-bit, and where the counts come from ('summary.json' | 'metric keys')."
     s = run.summary
@@ -325,9 +353,10 @@ def run_summary(run: Run, ref: Run | None = None, unigram: float | None = None, 
                 ratio_to_ref=(v / r if v is not None and r else None), ref_val_loss=r, unigram=unigram,
                 progress_lost=progress_lost(v, r, unigram),
                 val_ppl=(math.exp(v) if v is not None and v < 50 else None), mean_grad_cos=all_cos,
-                quantized_cos=qc, quantized_cos_source=qsrc, all_cos=all_cos, mean_lost_update=_mean(run, "lost_update/total"),
-                mean_stall=_mean(run, "stall/total"), mean_pred_stall=_mean(run, "pred_stall/total"),
-                mean_update_ratio=_mean(run, "update_ratio/total"), mean_rho=_mean(run, "rho/total"), max_overflow=_max_over(run, "overflow/"),
+                quantized_cos=qc, quantized_cos_source=qsrc, all_cos=all_cos,
+                mean_lost_update=_mean(run, "lost_update/total"), mean_stall=_mean(run, "stall/total"),
+                mean_pred_stall=_mean(run, "pred_stall/total"), mean_update_ratio=_mean(run, "update_ratio/total"),
+                mean_rho=_mean(run, "rho/total"), max_overflow=_max_over(run, "overflow/"),
                 tokens_per_sec=_mean(run, "perf/tokens_per_sec"), first_nan_step=first_nan_step(run),
                 steps=(run.metrics[-1]["step"] if run.metrics else 0), max_steps=mx, finished=done, stopped_reason=stop,
                 divergence_steps=len(divergence_steps(run)),
@@ -370,41 +399,49 @@ def precision_note(run: Run) -> str:
     L = [f"**8-bit:** the three GEMMs (forward, and both backward products) of {which} ({src}; the tied embedding / "
          f"LM head not counted): their weights W, input activations A and output gradients G are rounded "
          f"({rnd}) to {fmts} with " + (block_scaling_text(run.fmt)
-                                       or f"per-{cfg.get('granularity') or 'tensor'} {cfg.get('scaling') or 'delayed'} scaling.")]
+                                       or f"per-{cfg.get('granularity') or 'tensor'} "
+                                       f"{cfg.get('scaling') or 'delayed'} scaling.")]
     if n and q < n: L.append(("The other linear layer stays" if n - q == 1 else f"The other {n - q} linear layers stay")
                              + f" in high precision (layer_formats: {layer_formats_of(cfg) or 'none'}).")
-    not8 = ["the attention products QKᵀ and AV", "the tied token embedding / LM head", "the position embedding", "biases",
-            "LayerNorm", "GELU", "softmax",
+    not8 = ["the attention products QKᵀ and AV", "the tied token embedding / LM head", "the position embedding",
+            "biases", "LayerNorm", "GELU", "softmax",
             "the residual stream", f"the optimizer state ({cfg.get('optimizer', 'adamw')})"]
     L.append(f"**Not 8-bit** ({hp}): " + ", ".join(not8) + ".")
     if cfg.get("master_weights", "fp32") == "format":
         wu = cfg.get("weight_update", "nearest")
         L.append(f"**Weights:** stored on the {run.fmt} grid after every optimizer step (`master_weights=format`; "
                  f"landing `weight_update={wu}`): " + (
-                     f"what rounding drops is carried to the next step in a per-weight residual ({_residual_text(cfg)})."
+                     f"what rounding drops is carried to the next step in a per-weight residual "
+                     f"({_residual_text(cfg)})."
                      if _carries_residual(wu) else "updates the grid cannot hold are lost."))
     else:
-        L.append(f"**Weights:** an FP32 master copy, re-quantized to {run.fmt} for every forward pass (`master_weights=fp32`).")
+        L.append(f"**Weights:** an FP32 master copy, re-quantized to {run.fmt} for every forward pass "
+                 f"(`master_weights=fp32`).")
     return " ".join(L)
 
 # %% ../nbs/30_report.ipynb #6f19fcc7
 FIG_DPI = 100   # figures are read on screen
 LAYER_GROUPS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-MECHANISM_COLUMNS = (("update_ratio", "median r"), ("pred_stall", "predicted stall (r < 1/2)"), ("stall", "measured stall"),
-                     ("rho", "ρ"), ("flip_back", "flip-back"), ("zero_frac", "zero/subnormal"), ("residual_ulp", "residual (ulp, RMS)"))
+MECHANISM_COLUMNS = (("update_ratio", "median r"), ("pred_stall", "predicted stall (r < 1/2)"),
+                     ("stall", "measured stall"),
+                     ("rho", "ρ"), ("flip_back", "flip-back"), ("zero_frac", "zero/subnormal"),
+                     ("residual_ulp", "residual (ulp, RMS)"))
 
+# %% ../nbs/30_report.ipynb #d62ebc50
 def _save(fig, path: Path) -> str | None:
     if fig is None: return None
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=FIG_DPI, metadata={"Software": None}); plt.close(fig)
     return f"figures/{path.name}"
 
+# %% ../nbs/30_report.ipynb #9bf7527e
 def layer_group(name: str) -> str:
     "The role of linear layer `name`: the `LAYER_GROUPS` entry it ends with, else its name without `transformer.h.N.`."
     for g in LAYER_GROUPS:
         if name == g or name.endswith("." + g): return g
     return re.sub(r"^transformer\.h\.\d+\.", "", name)
 
+# %% ../nbs/30_report.ipynb #b85577e6
 def has_mechanism(run: Run) -> bool:
     "Did the run log the update-mechanism metrics (`pred_stall/total` and `stall/total`)?"
     return len(run.series("pred_stall/total")[0]) > 0 and len(run.series("stall/total")[0]) > 0
@@ -419,6 +456,7 @@ def layer_groups(run: Run) -> dict[str, list[str]]:
     order = {g: i for i, g in enumerate(LAYER_GROUPS)}
     return dict(sorted(out.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
 
+# %% ../nbs/30_report.ipynb #91d55b59
 def _pooled_mean(run: Run, keys: list[str]) -> float | None:
     v = np.concatenate([run.series(k)[1] for k in keys]) if keys else np.zeros(0)
     v = v[np.isfinite(v)]
@@ -430,13 +468,16 @@ def mechanism_table(run: Run) -> list[dict]:
     over the steps and the role's layers (`total`: of the `/total` keys), None where not logged."""
     rows = []
     for g, ls in layer_groups(run).items():
-        rows.append(dict(group=g, layers=len(ls), **{k: _pooled_mean(run, [f"{k}/{l}" for l in ls]) for k, _ in MECHANISM_COLUMNS}))
+        rows.append(dict(group=g, layers=len(ls),
+                         **{k: _pooled_mean(run, [f"{k}/{l}" for l in ls]) for k, _ in MECHANISM_COLUMNS}))
     n = sum(r["layers"] for r in rows)
     rows.append(dict(group="total", layers=n, **{k: _mean(run, f"{k}/total") for k, _ in MECHANISM_COLUMNS}))
     return rows
 
+# %% ../nbs/30_report.ipynb #3e0513e3
 def regime_of(cfg: dict):
-    "The registered update regime (`altgrad.regimes.UpdateRule`) a run's config ran, or None when no registered regime matches."
+    """The registered update regime (`altgrad.regimes.UpdateRule`) a run's config ran, or None when no registered regime
+    matches."""
     try: return get_rule(rule_of(cfg))
     except ValueError: return None
 
@@ -446,28 +487,33 @@ def mechanism_rule(run: Run) -> str:
     cfg = run.config
     opt = cfg.get("optimizer") or "adamw"
     regime = regime_of(cfg)
-    if cfg.get("lr_scale") is not None: lr = f"learning-rate scale {fmt_num(float(cfg['lr_scale']), 'g')} (config `lr_scale`)"
+    if cfg.get("lr_scale") is not None:
+        lr = f"learning-rate scale {fmt_num(float(cfg['lr_scale']), 'g')} (config `lr_scale`)"
     elif regime is not None and regime.lr_scale is not None:
         lr = f"learning-rate scale {fmt_num(float(regime.lr_scale), 'g')} (regime `{regime.name}`, `altgrad.regimes`)"
     else:
-        try: lr = f"learning-rate scale {fmt_num(float(default_lr_scale(opt)), 'g')} ({opt}'s default, `altgrad.optim.default_lr_scale`)"
+        try: lr = (f"learning-rate scale {fmt_num(float(default_lr_scale(opt)), 'g')} ({opt}'s default, "
+                   f"`altgrad.optim.default_lr_scale`)")
         except ValueError: lr = "learning-rate scale unknown"
     base = f"`optimizer={opt}`, {lr}"
     if cfg.get("master_weights", "fp32") != "format":
-        return (f"Rule: FP32 master weights (`master_weights=fp32`; `weight_update` does not apply), {base}. The measured "
-                f"stall is that of the 8-bit view the forward uses; ρ measures the FP32 copy.")
+        return (f"Rule: FP32 master weights (`master_weights=fp32`; `weight_update` does not apply), {base}. The "
+                f"measured stall is that of the 8-bit view the forward uses; ρ measures the FP32 copy.")
     wu = cfg.get("weight_update") or "nearest"
     s = f"Rule: `weight_update={wu}` lands w + u on the {run.fmt} grid, {base}."
     if _carries_residual(wu): s += f" The {wu} residual costs {_residual_text(cfg)}."
     return s
 
+# %% ../nbs/30_report.ipynb #5d3dc390
 MECHANISM_LABELS = {   # what each curve of `plot_mechanism` measures, by where the weights live
     "format": dict(stall="measured stall: stored 8-bit weight did not move", pred="predicted stall (r < 1/2)",
                    rho="ρ = ⟨Δw,u⟩/‖u‖² of the stored weight", lost="lost update 1 − ρ",
                    left="stall: predicted by r < 1/2 vs measured", right="update fidelity (faint: per step)"),
-    "fp32": dict(stall="8-bit view: code did not move this step", pred="r < 1/2 (with weights on the grid: would stall)",
+    "fp32": dict(stall="8-bit view: code did not move this step",
+                 pred="r < 1/2 (with weights on the grid: would stall)",
                  rho="ρ of the FP32 master copy (every update lands: 1)", lost="lost update of the FP32 copy (0)",
-                 left="8-bit view of the FP32 master weights (nothing is lost)", right="FP32 master copy: fidelity (faint: per step)")}
+                 left="8-bit view of the FP32 master weights (nothing is lost)",
+                 right="FP32 master copy: fidelity (faint: per step)")}
 
 # %% ../nbs/30_report.ipynb #3b81bb63
 def plot_mechanism(run: Run, window: int = SMOOTH_WINDOW):
@@ -491,7 +537,8 @@ def plot_mechanism(run: Run, window: int = SMOOTH_WINDOW):
 
 # %% ../nbs/30_report.ipynb #73d4f087
 def ratio_histograms(run: Run) -> dict[str, dict[str, np.ndarray]]:
-    "{role: {step: counts summed over the role's layers}} of the `r` histograms in `histograms.json` (bins `grid.R_EDGES`)."
+    """{role: {step: counts summed over the role's layers}} of the `r` histograms in `histograms.json` (bins
+    `grid.R_EDGES`)."""
     nb = len(R_EDGES) - 1
     out: dict[str, dict[str, np.ndarray]] = {}
     for st in sorted(run.histograms, key=int):
@@ -503,6 +550,7 @@ def ratio_histograms(run: Run) -> dict[str, dict[str, np.ndarray]]:
     order = {g: i for i, g in enumerate(LAYER_GROUPS)}
     return dict(sorted(out.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
 
+# %% ../nbs/30_report.ipynb #a6dc0214
 def share_below_half(counts) -> float:
     "Share of the histogram's weights with r < 1/2 (log2 r < -1: the bins left of that edge of `grid.R_EDGES`)."
     c = np.asarray(counts, dtype=float)
@@ -510,7 +558,8 @@ def share_below_half(counts) -> float:
 
 # %% ../nbs/30_report.ipynb #7a7521a1
 def plot_ratio_histograms(run: Run):
-    "Histograms of log2 r (r = |u|/ulp) per layer role at the saved steps, as shares of the moved weights; line at r = 1/2."
+    """Histograms of log2 r (r = |u|/ulp) per layer role at the saved steps, as shares of the moved weights; line at r =
+    1/2."""
     hs = ratio_histograms(run)
     if not hs: return None
     e = np.asarray(R_EDGES); x = (e[:-1] + e[1:]) / 2
@@ -525,22 +574,26 @@ def plot_ratio_histograms(run: Run):
 
 # %% ../nbs/30_report.ipynb #ade145ab
 def mechanism_section(run: Run, fig_dir) -> list[str]:
-    "The report's 'Update mechanism' section (markdown lines); draws `mechanism.png` and `update_ratio_hist.png` into `fig_dir`."
+    """The report's 'Update mechanism' section (markdown lines); draws `mechanism.png` and `update_ratio_hist.png` into
+    `fig_dir`."""
     L = ["## Update mechanism", ""]
     if not has_mechanism(run):
-        why = "the high-precision reference has no 8-bit layers" if not run.fmt else "a run from before these metrics existed"
-        return L + [f"Not available for this run: no update-mechanism metrics (`pred_stall/`, `update_ratio/`, `rho/`) were logged ({why}).", ""]
+        why = ("the high-precision reference has no 8-bit layers" if not run.fmt
+               else "a run from before these metrics existed")
+        return L + [f"Not available for this run: no update-mechanism metrics (`pred_stall/`, `update_ratio/`, "
+                    f"`rho/`) were logged ({why}).", ""]
     fig_dir = Path(fig_dir)
     L += [mechanism_rule(run), ""]
     p = _save(plot_mechanism(run), fig_dir / "mechanism.png")
     L += [f"![Update mechanism]({p})", "",
           "Left: share of the moved weights whose 8-bit value did not change (measured stall) and share with "
-          "r = |u|/ulp < 1/2, the stall round-to-nearest predicts; right: fidelity ρ = ⟨Δw,u⟩/‖u‖² of the stored weight "
-          f"and the lost update 1 − ρ. Faint: per step; bold: running mean over {SMOOTH_WINDOW} steps.", ""]
+          "r = |u|/ulp < 1/2, the stall round-to-nearest predicts; right: fidelity ρ = ⟨Δw,u⟩/‖u‖² of the stored "
+          f"weight and the lost update 1 − ρ. Faint: per step; bold: running mean over {SMOOTH_WINDOW} steps.", ""]
     p = _save(plot_ratio_histograms(run), fig_dir / "update_ratio_hist.png")
     L += ([f"![r histograms]({p})", "",
-           "Histograms of log2 r over the moved weights, the layers of each role summed, at the saved steps (the end bins "
-           "also hold everything beyond 2^-16 and 2^8); dashed: r = 1/2, below which round-to-nearest drops the update.", ""]
+           "Histograms of log2 r over the moved weights, the layers of each role summed, at the saved steps (the end "
+           "bins also hold everything beyond 2^-16 and 2^8); dashed: r = 1/2, below which round-to-nearest drops the "
+           "update.", ""]
           if p else ["No r histograms were saved for this run.", ""])
     rows = mechanism_table(run)
     cols = [(k, lab) for k, lab in MECHANISM_COLUMNS if any(r[k] is not None for r in rows)]
@@ -548,7 +601,8 @@ def mechanism_section(run: Run, fig_dir) -> list[str]:
     for r in rows:
         L.append(f"| {r['group']} | {r['layers']} | " + " | ".join(fmt_num(r[k], ".3g") for k, _ in cols) + " |")
     L += ["", "Means over the steps (and the role's layers; `total`: the run-wide `/total` keys, whose median r is the "
-          "median of the layers' medians). Flip-back: of the weights that moved last step, the share that moved straight back.", ""]
+          "median of the layers' medians). Flip-back: of the weights that moved last step, the share that moved "
+          "straight back.", ""]
     return L
 
 # %% ../nbs/30_report.ipynb #14932c9a
@@ -560,38 +614,45 @@ def rel_path(path, start) -> str | None:
     try: return Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())).as_posix()
     except ValueError: return str(path)
 
+# %% ../nbs/30_report.ipynb #3444aa29
 def _ranks_row(run) -> dict:
     """The global batch (sequences per optimizer step = `batch_size` per rank × `grad_accum` × ranks) where it differs
-    from `batch_size`: a `ranks` row for runs trained data-parallel (`summary.json`'s `world_size` > 1), a `global batch`
-    row for one process with gradient accumulation; no row for one process without (the `model` row's batch is then the
-    global batch, and write-ups of such runs render as they always did)."""
+    from `batch_size`: a `ranks` row for runs trained data-parallel (`summary.json`'s `world_size` > 1), a `global
+    batch` row for one process with gradient accumulation; no row for one process without (the `model` row's batch is
+    then the global batch, and write-ups of such runs render as they always did)."""
     ws = int(run.summary.get("world_size") or 1)
     b, ga = run.config.get("batch_size"), int(run.config.get("grad_accum") or 1)
     gb = run.summary.get("global_batch") or (b * ga * ws if b else "?")
-    if ws > 1: return {"ranks": f"{ws} (data parallel; global batch {gb} sequences = {b} per rank × {ga} accumulation × {ws} ranks)"}
+    if ws > 1: return {"ranks": f"{ws} (data parallel; global batch {gb} sequences = {b} per rank × {ga} accumulation "
+                       f"× {ws} ranks)"}
     if ga > 1: return {"global batch": f"{gb} sequences = {b} per micro-batch × {ga} accumulation (one process)"}
     return {}
 
 # %% ../nbs/30_report.ipynb #1b6648cc
 def device_line(summary: dict) -> str:
-    "`cuda (NVIDIA H200; torch 2.11.0, CUDA 13.0)`: the device, and on a GPU its name and the versions (runs that recorded them)."
+    """`cuda (NVIDIA H200; torch 2.11.0, CUDA 13.0)`: the device, and on a GPU its name and the versions (runs that
+    recorded them)."""
     dev, gpu = summary.get("device", "?"), summary.get("gpu")
     return f"{dev} ({gpu}; torch {summary.get('torch', '?')}, CUDA {summary.get('cuda', '?')})" if gpu else str(dev)
 
+# %% ../nbs/30_report.ipynb #500bf57b
 def _setup_lines(run: Run, ref: Run | None, extra_setup: dict | None) -> list[str]:
     "The report's title-less 'Setup' section: the setup table and what is 8-bit."
     cfg, name = run.config, run.fmt or "reference"
     mw = cfg.get("master_weights", "fp32")
-    setup = dict(format=name, backward_format=cfg.get("fmt_backward") or name, layer_formats=layer_formats_of(cfg) or "uniform",
-                 scaling=f"{cfg.get('scaling')} / {cfg.get('granularity')}", rounding=cfg.get("rounding", "nearest"),
+    setup = dict(format=name, backward_format=cfg.get("fmt_backward") or name,
+                 layer_formats=layer_formats_of(cfg) or "uniform", scaling=f"{cfg.get('scaling')} / "
+                 f"{cfg.get('granularity')}", rounding=cfg.get("rounding", "nearest"),
                  master_weights=mw + (f" (landing: {cfg.get('weight_update', 'nearest')})" if mw == "format" else ""),
                  optimizer=cfg.get("optimizer", "adamw"),
                  interventions=cfg.get("interventions"), steps=cfg.get("max_steps"), seed=cfg.get("seed"),
-                 model=f"{cfg.get('n_layer')} layers × {cfg.get('n_embd')} wide, block {cfg.get('block_size')}, batch {cfg.get('batch_size')}",
+                 model=f"{cfg.get('n_layer')} layers × {cfg.get('n_embd')} wide, block {cfg.get('block_size')}, batch "
+                 f"{cfg.get('batch_size')}",
                  device=device_line(run.summary), **_ranks_row(run), **(extra_setup or {}))
     if ref is not None and ref.config.get("optimizer", "adamw") != setup["optimizer"]:
         setup["optimizer"] += f" (the reference: {ref.config.get('optimizer', 'adamw')})"
-    return ["## Setup", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in setup.items()] + ["", precision_note(run), ""]
+    return (["## Setup", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in setup.items()]
+            + ["", precision_note(run), ""])
 
 # %% ../nbs/30_report.ipynb #71fcda99
 def _results_lines(run: Run, ref: Run | None, S: dict, unigram: float | None) -> list[str]:
@@ -599,8 +660,10 @@ def _results_lines(run: Run, ref: Run | None, S: dict, unigram: float | None) ->
     L = ["## Results", "", "| | this run | reference |", "|---|---|---|"]
     R = run_summary(ref) if ref else {}
     n_win = min(AVG_STEPS, len(run.series("train/loss")[0])) or AVG_STEPS
-    avg_lab = f"training loss, mean of the last {n_win} steps" + (" (finite values only)" if S["train_loss_avg_steps"] < n_win else "")
-    for k, lab, spec in (("final_val_loss", "final validation loss", ".4g"), ("val_ppl", "validation perplexity", ".4g"),
+    avg_lab = (f"training loss, mean of the last {n_win} steps"
+               + (" (finite values only)" if S["train_loss_avg_steps"] < n_win else ""))
+    for k, lab, spec in (("final_val_loss", "final validation loss", ".4g"),
+                         ("val_ppl", "validation perplexity", ".4g"),
                    ("train_loss_avg50", avg_lab, ".4g"),
                    ("final_train_loss", "training loss, last batch", ".4g"),
                    ("quantized_cos", "gradient cosine vs FP32 shadow, 8-bit layers' weights (mean over steps)", ".4f"),
@@ -612,9 +675,11 @@ def _results_lines(run: Run, ref: Run | None, S: dict, unigram: float | None) ->
     L += ["", f"Ratio of final validation loss to the reference: **{fmt_num(S['ratio_to_ref'], '.3f')}**.", ""]
     if S["progress_lost"] is not None:
         L += [f"Progress lost: **{S['progress_lost']:.1%}** of what the reference learned beyond the unigram baseline "
-              f"((L_run − L_ref) / (L_unigram − L_ref) with L_unigram = {unigram:.4f}, L_ref = {S['ref_val_loss']:.4f} nats/token)."]
+              f"((L_run − L_ref) / (L_unigram − L_ref) with L_unigram = {unigram:.4f}, L_ref = "
+              f"{S['ref_val_loss']:.4f} nats/token)."]
     elif unigram is None: L += ["Progress lost: not computed (no unigram baseline stored for this report)."]
-    else: L += [f"Progress lost: not defined (the reference did not beat the unigram baseline {unigram:.4f}, or a loss is missing)."]
+    else: L += [f"Progress lost: not defined (the reference did not beat the unigram baseline {unigram:.4f}, or a "
+                f"loss is missing)."]
     return L + [""]
 
 # %% ../nbs/30_report.ipynb #9082f9e4
@@ -622,33 +687,44 @@ def _stall_caption(on_grid: bool) -> str:
     return ("Fraction of weights whose 8-bit value did not move although the optimizer update was non-zero. "
             + ("The weights live on the 8-bit grid here, so a stalled update is lost."
                if on_grid else "With FP32 master weights a stalled code loses nothing (the update accumulates in "
-               "the FP32 copy and moves the code later): per-step stall reflects the learning rate and the grid spacing, "
-               "not a failure; the lost update above is what reaches the weights."))
+               "the FP32 copy and moves the code later): per-step stall reflects the learning rate and the grid "
+               "spacing, not a failure; the lost update above is what reaches the weights."))
 
+# %% ../nbs/30_report.ipynb #1cbea070
 def _figure_lines(run: Run, ref: Run | None, fig_dir: Path) -> list[str]:
-    "The figure sections (loss, gradient agreement, heat maps, code histograms), drawn into `fig_dir`, with their hot spots."
+    """The figure sections (loss, gradient agreement, heat maps, code histograms), drawn into `fig_dir`, with their hot
+    spots."""
     figs = [("Loss", _save(plot_loss(run, ref, run.fmt or "reference"), fig_dir / "loss.png"),
-             f"Training loss per batch (faint) with its running mean over {SMOOTH_WINDOW} steps (bold), validation loss (dots); "
-             "dashed: first NaN; dotted: interventions.", None),
+             f"Training loss per batch (faint) with its running mean over {SMOOTH_WINDOW} steps (bold), validation "
+             "loss (dots); dashed: first NaN; dotted: interventions.", None),
             ("Gradient agreement", _save(plot_cosine(run), fig_dir / "grad_cosine.png"),
-             "Cosine similarity between this run's gradients and the FP32 shadow's on the same batch: mean over the 8-bit "
-             "layers' weights (bold), and over all parameters (grey; includes LayerNorm, biases and embeddings, never 8-bit).", None),
-            ("Where the format hurts: overflow", _save(plot_heatmap(run, "overflow/", "overflow rate (layer/tensor × step)"), fig_dir / "overflow_heatmap.png"),
-             "Fraction of elements beyond the format's range after scaling, for W, A and G of every quantized layer.", "overflow/"),
-            ("Where the format hurts: underflow", _save(plot_heatmap(run, "underflow/", "underflow rate (layer/tensor × step)"), fig_dir / "underflow_heatmap.png"),
+             "Cosine similarity between this run's gradients and the FP32 shadow's on the same batch: mean over the "
+             "8-bit layers' weights (bold), and over all parameters (grey; includes LayerNorm, biases and embeddings, "
+             "never 8-bit).", None),
+            ("Where the format hurts: overflow",
+             _save(plot_heatmap(run, "overflow/", "overflow rate (layer/tensor × step)"),
+                   fig_dir / "overflow_heatmap.png"),
+             "Fraction of elements beyond the format's range after scaling, for W, A and G of every quantized layer.",
+             "overflow/"),
+            ("Where the format hurts: underflow",
+             _save(plot_heatmap(run, "underflow/", "underflow rate (layer/tensor × step)"),
+                   fig_dir / "underflow_heatmap.png"),
              "Fraction of non-zero elements flushed to zero.", "underflow/"),
-            ("Where the format hurts: bit-stall", _save(plot_heatmap(run, "stall/", "bit-stall rate (layer × step)"), fig_dir / "stall_heatmap.png"),
+            ("Where the format hurts: bit-stall",
+             _save(plot_heatmap(run, "stall/", "bit-stall rate (layer × step)"), fig_dir / "stall_heatmap.png"),
              _stall_caption(run.config.get("master_weights", "fp32") == "format"), "stall/"),
             ("Code histograms", _save(plot_histograms(run), fig_dir / "histograms.png"),
              "How the 256 codes are used by W, A and G of an early, a middle and a late layer.", None)]
     L = []
     for head, path, cap, prefix in figs:
         L += [f"## {head}", ""]
-        L += [f"![{head}]({path})", "", cap, ""] if path else ["Not available for this run (no such metrics were logged).", ""]
+        L += ([f"![{head}]({path})", "", cap, ""] if path
+              else ["Not available for this run (no such metrics were logged).", ""])
         if path and prefix:
             hs = [h for h in hotspots(run, prefix) if h[2] > 0]
             L += ["Highest (mean over the run; largest value and its step): " + "; ".join(
-                f"`{short_layer(n)}` {fmt_num(mean, '.3g')} (max {fmt_num(mx, '.3g')} at step {st})" for n, mean, mx, st in hs) + "."
+                f"`{short_layer(n)}` {fmt_num(mean, '.3g')} (max {fmt_num(mx, '.3g')} at step {st})"
+                for n, mean, mx, st in hs) + "."
                   if hs else "Zero in every layer and tensor for the whole run.", ""]
     return L
 
@@ -658,12 +734,14 @@ def _intervention_lines(run: Run) -> list[str]:
     L = ["## Interventions", ""]
     if ev or alerts:
         L += ["| step | layer | what |", "|---|---|---|"]
-        for a in alerts: L.append(f"| {a.get('step')} | {a.get('layer', '')} | {a.get('title', '')}: {a.get('text', '')} |")
+        for a in alerts:
+            L.append(f"| {a.get('step')} | {a.get('layer', '')} | {a.get('title', '')}: {a.get('text', '')} |")
         if not alerts:
             for e in ev: L.append(f"| {e['step']} | {e['layer']} | intervention |")
     else: L.append("None." if run.config.get("interventions") else "Interventions were switched off for this run.")
     return L + [""]
 
+# %% ../nbs/30_report.ipynb #87b05377
 def _failure_lines(run: Run, out: Path) -> list[str]:
     fa = failure_analysis(run)
     L = ["## Failure analysis", ""]
@@ -671,8 +749,10 @@ def _failure_lines(run: Run, out: Path) -> list[str]:
     return L + [f"- **First NaN:** step {fa['step']}", f"- **Where it started:** {fa['origin'] or 'unknown'}",
                 "- **Loss just before:** " + ", ".join(f"step {s}: {fmt_num(v)}" for s, v in fa["losses_before"]),
                 f"- **Global gradient norm just before:** {fmt_num(fa['grad_norm_before'])}",
-                "- **Highest overflow rates just before:** " + (", ".join(f"{k[9:]} {fmt_num(v, '.3g')}" for k, v in fa["top_overflow"]) or "none logged"),
-                "- **Largest gradient L∞ norms just before:** " + (", ".join(f"{k[15:]} {fmt_num(v, '.3g')}" for k, v in fa["top_grad_norm"]) or "none logged"),
+                "- **Highest overflow rates just before:** "
+                + (", ".join(f"{k[9:]} {fmt_num(v, '.3g')}" for k, v in fa["top_overflow"]) or "none logged"),
+                "- **Largest gradient L∞ norms just before:** "
+                + (", ".join(f"{k[15:]} {fmt_num(v, '.3g')}" for k, v in fa["top_grad_norm"]) or "none logged"),
                 f"- **Failure checkpoint:** {rel_path(fa['checkpoint'], out) or 'none saved'}", ""]
 
 # %% ../nbs/30_report.ipynb #ba587cd7
@@ -687,11 +767,12 @@ def write_report(run_dir, ref_dir, out_dir, title: str | None = None, extra_setu
     S = run_summary(run, ref, unigram)
     L = [f"# {title or (run.fmt or 'reference') + ': 8-bit training write-up'}", ""]
     L += _setup_lines(run, ref, extra_setup) + _results_lines(run, ref, S, unigram) + _figure_lines(run, ref, fig_dir)
-    L += mechanism_section(run, fig_dir) + block_section(run, fig_dir) + _intervention_lines(run) + _failure_lines(run, out)
+    L += (mechanism_section(run, fig_dir) + block_section(run, fig_dir) + _intervention_lines(run)
+          + _failure_lines(run, out))
     L += ["## Verdict", "", f"Verdict: {S['verdict']}", "", S["reason"][0].upper() + S["reason"][1:] + ".", "",
-          "Criteria (requirement 002): PASS = all steps run, final validation loss within 10% of the reference's and mean gradient "
-          "cosine over the 8-bit layers' weights above 0.9; FAIL at step N = non-finite loss (first NaN) or stopped early "
-          "(final step); INVESTIGATE = anything else.", ""]
+          "Criteria (requirement 002): PASS = all steps run, final validation loss within 10% of the reference's and "
+          "mean gradient cosine over the 8-bit layers' weights above 0.9; FAIL at step N = non-finite loss (first "
+          "NaN) or stopped early (final step); INVESTIGATE = anything else.", ""]
     p = out / "report.md"; p.write_text("\n".join(L))
     (out / "summary.json").write_text(json.dumps(S, indent=1, default=str))
     inputs = dict(run=rel_path(run_dir, out), ref=rel_path(ref_dir, out), unigram=unigram, title=title,

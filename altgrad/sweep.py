@@ -16,7 +16,8 @@ from .data import prepare_eurlex, shared_data_dir, load_meta, unigram_baseline
 from .optim import OPTIMIZERS, default_lr_scale
 from .trainer import Trainer, Interrupted
 from .regimes import UPDATE_RULES, get_rule
-from .runs import Run, load_run, REUSED_FILE, DONE, run_status, check_run, config_reasons, data_identity, ignored_key
+from .runs import (Run, load_run, REUSED_FILE, DONE, run_status, check_run, config_reasons, data_identity,
+                          ignored_key)
 from .report import run_summary, short_layer, nan_origin
 from .sweep_summary import write_summary, model_layers
 from .pool import JobsInterrupted, Job, run_pool, job_env, runs_on_cpu, one_thread
@@ -37,14 +38,15 @@ RETRIES = research_choices()["retries"]                     # per-format retry p
 REQUIRED_ORDER = research_choices()["run_order"]
 POST_LN_LAYER_FORMATS = RETRIES["E1M6"]["layer_formats"]    # the E1M6 retry's layout (named by tests and tools)
 NOT_IN_REFERENCE = ("fmt", "fmt_backward", "scaling", "granularity", "block_size_q", "amax_history_len", "amax_algo",
-                    "master_weights", "quantize_grads", "rounding", "margin", "weight_update", "residual_dtype", "layer_formats",
-                    "interventions", "stop_on_nan", "shadow", "optimizer", "regime")
-SWEEP_KEYS = dict(fmt="--formats", fmt_backward="--formats", layer_formats="(retries set them)", max_steps="--steps", seed="--seed",
-                  out_dir="--out", data_dir="--data-dir", interventions="--interventions", master_weights="--master-weights",
-                  stop_on_nan="(follows --interventions)",
+                    "master_weights", "quantize_grads", "rounding", "margin", "weight_update", "residual_dtype",
+                    "layer_formats", "interventions", "stop_on_nan", "shadow", "optimizer", "regime")
+SWEEP_KEYS = dict(fmt="--formats", fmt_backward="--formats", layer_formats="(retries set them)", max_steps="--steps",
+                  seed="--seed", out_dir="--out", data_dir="--data-dir", interventions="--interventions",
+                  master_weights="--master-weights", stop_on_nan="(follows --interventions)",
                   regime="--master-weights and --update-rules, or --set weight_update=/optimizer=",
                   wandb_mode="--wandb-mode", resume="(finished runs are reused)")
 
+# %% ../nbs/31_sweep.ipynb #02b22a41
 def resolve_preset(preset: str) -> str:
     "'auto' -> 'gpu' on CUDA machines, 'cpu' otherwise."
     return ("gpu" if torch.cuda.is_available() else "cpu") if preset == "auto" else preset
@@ -52,8 +54,10 @@ def resolve_preset(preset: str) -> str:
 def run_name(fmt: str | None, tag: str = "") -> str:
     return (fmt or "reference") + (f"-{tag}" if tag else "")
 
+# %% ../nbs/31_sweep.ipynb #aeb5fee0
 def reference_overrides(overrides: dict | None) -> dict:
-    "The part of the sweep's config `overrides` that applies to the standard high-precision reference (none of `NOT_IN_REFERENCE`)."
+    """The part of the sweep's config `overrides` that applies to the standard high-precision reference (none of
+    `NOT_IN_REFERENCE`)."""
     return {k: v for k, v in (overrides or {}).items() if k not in NOT_IN_REFERENCE}
 
 # %% ../nbs/31_sweep.ipynb #5bae7a93
@@ -66,10 +70,12 @@ def _tag(d: dict) -> str:
 def _reference_config(preset: str, seed: int, steps: int, **kw) -> TrainConfig:
     return load_config(resolve_preset(preset), fmt=None, max_steps=steps, seed=seed, shadow=False, **kw)
 
+# %% ../nbs/31_sweep.ipynb #fa9f5249
 def reference_dir(out, preset: str, seed: int, steps: int, **overrides) -> Path:
     "`out/_reference/<preset>-s<seed>-n<steps>[-<key=value,...>]`: one folder per distinct reference config."
     ref = reference_overrides(overrides)
-    base, want = _reference_config(preset, seed, steps).to_dict(), _reference_config(preset, seed, steps, **ref).to_dict()
+    base, want = (_reference_config(preset, seed, steps).to_dict(),
+                  _reference_config(preset, seed, steps, **ref).to_dict())
     diff = {k: v for k, v in want.items() if v != base[k] and not ignored_key(k)}
     p = resolve_preset(preset)
     label = Path(p).stem if ("/" in p or p.endswith((".yaml", ".yml"))) else p
@@ -77,22 +83,25 @@ def reference_dir(out, preset: str, seed: int, steps: int, **overrides) -> Path:
 
 # %% ../nbs/31_sweep.ipynb #8c1724f0
 def ensure_data(data_dir: str | None, out) -> str:
-    "A prepared EurLex folder: `data_dir` if given, else `out/_data/eurlex` prepared from the local sample (instant when done)."
+    """A prepared EurLex folder: `data_dir` if given, else `out/_data/eurlex` prepared from the local sample (instant
+    when done)."""
     if data_dir:
         try: load_meta(data_dir)
         except Exception as e:
             raise FileNotFoundError(f"data_dir={data_dir!r} is not a prepared EurLex folder ({e}); run "
-                                    f"`altgrad-prepare --source ../shared/data/eurlex --out {data_dir}` first") from None
+                                    f"`altgrad-prepare --source ../shared/data/eurlex --out {data_dir}` first"
+                                    ) from None
         return str(data_dir)
     d = Path(out) / "_data" / "eurlex"
     src = shared_data_dir()
     if src is None and not (d / "meta.json").exists():
-        raise FileNotFoundError("no data_dir given and no shared EurLex sample found; set ALTGRAD_SHARED_DATA to the folder "
-                                "holding eurlex/*.jsonl, or prepare data with `altgrad-prepare --source SOURCE --out DIR` "
-                                "and pass data_dir=DIR")
+        raise FileNotFoundError("no data_dir given and no shared EurLex sample found; set ALTGRAD_SHARED_DATA to the "
+                                "folder holding eurlex/*.jsonl, or prepare data with `altgrad-prepare --source SOURCE "
+                                "--out DIR` and pass data_dir=DIR")
     prepare_eurlex(d, source=(src / "eurlex") if src else None)
     return str(d)
 
+# %% ../nbs/31_sweep.ipynb #5c2d5638
 def train(cfg, overwrite: bool = False) -> dict:
     "Run the trainer on `cfg` (`overwrite`: an earlier finished run in its folder is moved aside); returns its summary."
     return Trainer(cfg, overwrite=overwrite).fit()
@@ -104,7 +113,8 @@ class RunConflict(ValueError):
 def run_plan(run_dir, cfg, accept=DONE) -> tuple[str, Run | None, list[str]]:
     """`(action, Run or None, reasons)` for the requested `cfg` in `run_dir`: 'reuse' (a finished run of this config,
     `check_run`), 'resume' (an interrupted run of this config: its checkpoint is kept and training continues),
-    'conflict' (a finished or interrupted run of another config: never replaced unasked), or 'train' (nothing usable)."""
+    'conflict' (a finished or interrupted run of another config: never replaced unasked), or 'train' (nothing
+    usable)."""
     status = run_status(run_dir)
     if status in (*accept, "interrupted"):
         diff = config_reasons(run_dir, cfg)
@@ -113,6 +123,7 @@ def run_plan(run_dir, cfg, accept=DONE) -> tuple[str, Run | None, list[str]]:
     run, why = check_run(run_dir, cfg, accept)
     return ("reuse", run, []) if run is not None else ("train", None, why)
 
+# %% ../nbs/31_sweep.ipynb #b69be681
 WRITEUP_FILES = ("report.md", "reused.json")   # a write-up in out/<name>/: a report, or a reuse page (`mark_reused`)
 
 def job_plan(dest, cfg, accept=DONE) -> tuple[str, Run | None, list[str]]:
@@ -121,7 +132,8 @@ def job_plan(dest, cfg, accept=DONE) -> tuple[str, Run | None, list[str]]:
     committed write-up is never replaced unasked."""
     action, run, why = run_plan(cfg.out_dir, cfg, accept)
     held = [n for n in WRITEUP_FILES if (Path(dest) / n).exists()]
-    if action == "train" and held: return "conflict", None, [f"{' and '.join(held)} but no finished run of this config"] + why
+    if action == "train" and held:
+        return "conflict", None, [f"{' and '.join(held)} but no finished run of this config"] + why
     return action, run, why
 
 # %% ../nbs/31_sweep.ipynb #a8977c64
@@ -130,8 +142,10 @@ def reference_config(out, preset: str = "auto", seed: int = 42, steps: int = 500
     "The reference run's config (`out_dir`: its `reference_dir`); `overrides` in `NOT_IN_REFERENCE` are dropped."
     ref = reference_overrides(overrides)
     d = reference_dir(out, preset, seed, steps, **ref)
-    return _reference_config(preset, seed, steps, out_dir=str(d), data_dir=ensure_data(data_dir, out), wandb_mode=wandb_mode, **ref)
+    return _reference_config(preset, seed, steps, out_dir=str(d), data_dir=ensure_data(data_dir, out),
+                             wandb_mode=wandb_mode, **ref)
 
+# %% ../nbs/31_sweep.ipynb #d248b787
 def reference_conflict(d, why: list[str]) -> RunConflict:
     "The refusal to replace the reference run in `d`, a run of another config (`why`)."
     return RunConflict(f"{d} holds a reference run of another config ({'; '.join(why)}): pass --force (force=True) "
@@ -140,7 +154,8 @@ def reference_conflict(d, why: list[str]) -> RunConflict:
 # %% ../nbs/31_sweep.ipynb #4af9b7e3
 def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, data_dir: str | None = None,
                   wandb_mode: str = "auto", force: bool = False, **overrides) -> Path:
-    "Train (or reuse, see `check_run`) the high-precision reference run; returns its folder. `overrides` in `NOT_IN_REFERENCE` are dropped."
+    """Train (or reuse, see `check_run`) the high-precision reference run; returns its folder. `overrides` in
+    `NOT_IN_REFERENCE` are dropped."""
     cfg = reference_config(out, preset, seed, steps, data_dir, wandb_mode, **overrides)
     d = Path(cfg.out_dir)
     if not force:
@@ -148,15 +163,17 @@ def reference_run(out, preset: str = "auto", seed: int = 42, steps: int = 500, d
         if action == "reuse": print(f"reusing reference run {d}"); return d
         if action == "conflict": raise reference_conflict(d, why)
         if action == "resume":
-            print(f"resuming the interrupted reference run in {d}", flush=True); train(cfg.replace(resume=True)); return d
+            print(f"resuming the interrupted reference run in {d}", flush=True); train(cfg.replace(resume=True))
+            return d
         if d.exists(): print(f"not reusing the reference run in {d}: {'; '.join(why)}; training it again", flush=True)
     if d.exists(): shutil.rmtree(d)
     train(cfg); return d
 
 # %% ../nbs/31_sweep.ipynb #2d837e5e
-def format_config(fmt: str, out, preset: str = "auto", seed: int = 42, steps: int | None = None, data_dir: str | None = None,
-                  layer_formats=None, tag: str = "", interventions: bool = False, master_weights: str = "fp32",
-                  stop_on_nan: bool = True, shadow: bool = True, wandb_mode: str = "auto", **overrides):
+def format_config(fmt: str, out, preset: str = "auto", seed: int = 42, steps: int | None = None,
+                  data_dir: str | None = None, layer_formats=None, tag: str = "", interventions: bool = False,
+                  master_weights: str = "fp32", stop_on_nan: bool = True, shadow: bool = True, wandb_mode: str = "auto",
+                  **overrides):
     "The TrainConfig of one format run (its run folder is `out/<name>/run`; `steps` None: the preset's `max_steps`)."
     canonical_format(fmt)  # clear error for unknown names (element formats and block recipes)
     d = Path(out) / run_name(fmt, tag) / "run"
@@ -179,9 +196,13 @@ def grid_key(cfg) -> str:
     d["data"] = data_identity(cfg.data_dir) or str(Path(cfg.data_dir).resolve())
     return json.dumps(d, sort_keys=True, default=str)
 
+# %% ../nbs/31_sweep.ipynb #74fc3eae
 def set_aside(dest) -> Path | None:
-    "Move the write-up and run in `dest` (= out/<name>) whole into `dest/_previous/<time>/`; returns that folder (None: nothing there)."
-    dest = Path(dest); items = [dest / n for n in _RUN_ARTIFACTS + ("report_inputs.json", REUSED_FILE) if n != "run_format.ipynb" and (dest / n).exists()]
+    """Move the write-up and run in `dest` (= out/<name>) whole into `dest/_previous/<time>/`; returns that folder
+    (None: nothing there)."""
+    dest = Path(dest)
+    items = [dest / n for n in _RUN_ARTIFACTS + ("report_inputs.json", REUSED_FILE)
+             if n != "run_format.ipynb" and (dest / n).exists()]
     if not items: return None
     to = dest / "_previous" / time.strftime("%Y%m%d_%H%M%S")
     while to.exists(): to = to.with_name(to.name + "_")
@@ -194,6 +215,7 @@ def reuse_note(name: str, source: str, k: int) -> str:
     "The summary line of a run that reused another's (`k`: grid of `name` = 2^k x grid of `source`)."
     return f"{name}: same grid as {source} up to 2^{k} ({name} = 2^{k} × {source}); run reused"
 
+# %% ../nbs/31_sweep.ipynb #26057307
 def _clear(dest: Path, what=_RUN_ARTIFACTS + (REUSED_FILE,)):
     for n in what:
         p = dest / n
@@ -209,11 +231,13 @@ def mark_reused(dest, name: str, source: str, fmt: str, source_fmt: str) -> dict
     info = dict(reused_from=source, format=get_format(fmt).name, source_format=get_format(source_fmt).name,
                 power_of_two=k, note=reuse_note(name, source, k))
     (dest / REUSED_FILE).write_text(json.dumps(info, indent=1) + "\n")
-    where = (f"The run and its write-up are in [../{source}](../{source}/report.md)" if (dest.parent / source / "report.md").exists()
-             else f"The run is in [../{source}/run](../{source}/run)")   # link only what exists: sweep cells keep their runs only
-    (dest / "report.md").write_text(f"# {name}: run reused\n\n{info['note']}: the grid of {info['format']} is 2^{k} times "
-                                    f"the grid of {info['source_format']}, so under scaling both round every tensor alike "
-                                    f"and train identically. {where}.\n")
+    where = (f"The run and its write-up are in [../{source}](../{source}/report.md)"
+             if (dest.parent / source / "report.md").exists()
+             # link only what exists: sweep cells keep their runs only
+             else f"The run is in [../{source}/run](../{source}/run)")
+    (dest / "report.md").write_text(f"# {name}: run reused\n\n{info['note']}: the grid of {info['format']} is 2^{k} "
+                                    f"times the grid of {info['source_format']}, so under scaling both round every "
+                                    f"tensor alike and train identically. {where}.\n")
     return info
 
 # %% ../nbs/31_sweep.ipynb #1e4bb494
@@ -221,10 +245,11 @@ class RetryRefused(ValueError):
     "A retry layout that would leave too few linear layers in 8-bit to say anything about the format."
 
 # %% ../nbs/31_sweep.ipynb #fb0f7067
-def hot_layers(run_dir, overflow_threshold: float = 0.01, stall_threshold: float = 0.5, lost_threshold: float = 0.5) -> list[str]:
-    """Layers of a run (folder or `Run`) whose overflow (any of W, A, G) crossed `overflow_threshold`, whose updates were
-    lost (mean `stall/<layer>` > `stall_threshold` with weights on the grid, else mean `lost_update/<layer>` > `lost_threshold`),
-    plus the NaN origin."""
+def hot_layers(run_dir, overflow_threshold: float = 0.01, stall_threshold: float = 0.5,
+               lost_threshold: float = 0.5) -> list[str]:
+    """Layers of a run (folder or `Run`) whose overflow (any of W, A, G) crossed `overflow_threshold`, whose updates
+    were lost (mean `stall/<layer>` > `stall_threshold` with weights on the grid, else mean `lost_update/<layer>` >
+    `lost_threshold`), plus the NaN origin."""
     run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
     on_grid = run.config.get("master_weights", "fp32") == "format"
     hot, names = set(), set()
@@ -247,7 +272,8 @@ def hot_layers(run_dir, overflow_threshold: float = 0.01, stall_threshold: float
 
 # %% ../nbs/31_sweep.ipynb #db3f9f5e
 def retry_layout(fmt: str, run_dir, n_layer: int | None = None, min_8bit: float = 0.5) -> tuple[str, list]:
-    "(tag, layer_formats) of the retry of a failed uniform run of `fmt`; `RetryRefused` when under `min_8bit` of the linear layers would stay 8-bit."
+    """(tag, layer_formats) of the retry of a failed uniform run of `fmt`; `RetryRefused` when under `min_8bit` of the
+    linear layers would stay 8-bit."""
     run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
     fmt = canonical_format(fmt)
     if fmt in RETRIES: tag, layout = RETRIES[fmt]["tag"], RETRIES[fmt]["layer_formats"]
@@ -260,9 +286,10 @@ def retry_layout(fmt: str, run_dir, n_layer: int | None = None, min_8bit: float 
     linear, q8 = model_layers({**run.config, "fmt": fmt}, layout)
     if len(q8) < min_8bit * len(linear):
         off = [short_layer(n) for n in linear if n not in q8]
-        raise RetryRefused(f"retry {run_name(fmt, tag)} refused: its layout would keep only {len(q8)} of {len(linear)} linear "
-                           f"layers in {fmt} (fewer than {min_8bit:.0%}), so it would no longer test {fmt}; layers it would "
-                           f"take out of 8-bit: {', '.join(off[:8])}{' ...' if len(off) > 8 else ''}")
+        raise RetryRefused(f"retry {run_name(fmt, tag)} refused: its layout would keep only {len(q8)} of "
+                           f"{len(linear)} linear layers in {fmt} (fewer than {min_8bit:.0%}), so it would no longer "
+                           f"test {fmt}; layers it would take out of 8-bit: "
+                           f"{', '.join(off[:8])}{' ...' if len(off) > 8 else ''}")
     return tag, layout
 
 # %% ../nbs/31_sweep.ipynb #76894daa
@@ -271,23 +298,26 @@ NOTEBOOK_OVERRIDE_PARAMS = ("weight_update", "optimizer", "rounding")
 def find_notebook(name: str = "run_format.ipynb") -> Path:
     "The experiment notebook: `./nbs/NAME`, else beside the installed package's source tree."
     import altgrad
-    for c in (Path.cwd() / "nbs" / name, Path(altgrad.__file__).resolve().parent.parent / "nbs" / name, Path.cwd() / name):
+    for c in (Path.cwd() / "nbs" / name, Path(altgrad.__file__).resolve().parent.parent / "nbs" / name,
+              Path.cwd() / name):
         if c.exists(): return c
     raise FileNotFoundError(f"cannot find nbs/{name}; run altgrad-sweep from the altgrad repository root")
 
+# %% ../nbs/31_sweep.ipynb #ff18142c
 def portable(path) -> str:
     "`path` relative to the working directory when inside it (run folders and write-ups then hold no machine paths)."
     p, cwd = Path(path).resolve(), Path.cwd().resolve()
     return str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p)
 
 # %% ../nbs/31_sweep.ipynb #510f5266
-def notebook_params(fmt: str, out, preset: str = "auto", steps: int | None = None, seed: int = 42, layer_formats=None, tag: str = "",
-                    interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
+def notebook_params(fmt: str, out, preset: str = "auto", steps: int | None = None, seed: int = 42, layer_formats=None,
+                    tag: str = "", interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
                     data_dir: str = "", wandb_mode: str = "auto", overrides: dict | None = None) -> dict:
-    "The papermill parameters of one format run (`overrides` split into named update-rule keys and a JSON `overrides`; `steps` None: the preset's)."
+    """The papermill parameters of one format run (`overrides` split into named update-rule keys and a JSON `overrides`;
+    `steps` None: the preset's)."""
     params = dict(fmt=fmt, preset=preset, seed=seed, interventions=interventions, master_weights=master_weights,
-                  out_dir=portable(out), stop_on_nan=stop_on_nan, layer_formats=json.dumps(layer_formats or []), tag=tag,
-                  data_dir=data_dir, wandb_mode=wandb_mode)
+                  out_dir=portable(out), stop_on_nan=stop_on_nan, layer_formats=json.dumps(layer_formats or []),
+                  tag=tag, data_dir=data_dir, wandb_mode=wandb_mode)
     if steps is not None: params["steps"] = steps
     ov = dict(overrides or {})
     for k in NOTEBOOK_OVERRIDE_PARAMS:
@@ -296,20 +326,22 @@ def notebook_params(fmt: str, out, preset: str = "auto", steps: int | None = Non
     return params
 
 # %% ../nbs/31_sweep.ipynb #4d5eae54
-def run_notebook(fmt: str, out, preset: str = "auto", steps: int | None = None, seed: int = 42, layer_formats=None, tag: str = "",
-                 interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
+def run_notebook(fmt: str, out, preset: str = "auto", steps: int | None = None, seed: int = 42, layer_formats=None,
+                 tag: str = "", interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
                  data_dir: str = "", wandb_mode: str = "auto", progress: bool = False, overrides: dict | None = None,
                  force: bool = False) -> Path:
-    "Execute the experiment notebook for one format (it reuses a matching finished run unless `force`); returns `out/<name>/report.md`."
+    """Execute the experiment notebook for one format (it reuses a matching finished run unless `force`); returns
+    `out/<name>/report.md`."""
     import papermill as pm
     name = run_name(fmt, tag); dest = Path(out) / name; dest.mkdir(parents=True, exist_ok=True)
-    params = notebook_params(fmt, out, preset, steps, seed, layer_formats, tag, interventions, master_weights, stop_on_nan, data_dir,
-                             wandb_mode, overrides)
+    params = notebook_params(fmt, out, preset, steps, seed, layer_formats, tag, interventions, master_weights,
+                             stop_on_nan, data_dir, wandb_mode, overrides)
     if force: params["force"] = True
     nb = find_notebook()
     declared = set(pm.inspect_notebook(str(nb)))
     missing = [k for k in params if k not in declared]
-    if missing: raise RuntimeError(f"{nb} takes no parameter(s) {', '.join(missing)} (it declares {', '.join(sorted(declared))}); "
+    if missing: raise RuntimeError(f"{nb} takes no parameter(s) {', '.join(missing)} (it declares "
+                                   f"{', '.join(sorted(declared))}); "
                                    "update its parameters cell so that these overrides reach the run")
     pm.execute_notebook(str(nb), str(dest / "run_format.ipynb"), parameters=params, log_output=True,
                         progress_bar=progress, cwd=str(Path.cwd()), kernel_name="python3")
@@ -338,36 +370,41 @@ def settings_note(cfg, master_weights: str = "fp32", interventions: bool = False
     "The paragraph(s) of `summary.md` that state what every run of the sweep shares (`cfg`: one format run's config)."
     g = lambda k, d: getattr(cfg, k, d)
     mw = ("Master weights: FP32 (each 8-bit layer's weights are re-quantized from an FP32 copy every step)."
-          if master_weights == "fp32" else "Master weights: on the 8-bit grid (`master_weights=format`): the weights are rounded "
-          "onto the format's grid after every optimizer step, so updates below half a grid step are lost.")
+          if master_weights == "fp32" else "Master weights: on the 8-bit grid (`master_weights=format`): the weights "
+          "are rounded onto the format's grid after every optimizer step, so updates below half a grid step are lost.")
     wu = g("weight_update", "nearest")
-    rule = (f"Update rule: optimizer `{g('optimizer', 'adamw')}`; GEMM operands (W, A, G) rounded `{g('rounding', 'nearest')}`; "
-            f"weight update `{wu}` " + ("(how `w + u` lands on the grid)." if master_weights == "format" else
-                                        "(unused: with FP32 master weights the update is applied in FP32)."))
+    rule = (f"Update rule: optimizer `{g('optimizer', 'adamw')}`; GEMM operands (W, A, G) rounded "
+            f"`{g('rounding', 'nearest')}`; weight update `{wu}` "
+            + ("(how `w + u` lands on the grid)." if master_weights == "format" else
+               "(unused: with FP32 master weights the update is applied in FP32)."))
     ov = overrides or {}
     ovt = ("Config overrides: " + ", ".join(f"`{k}={v}`" for k, v in sorted(ov.items())) +
-           " (the reference, the standard high-precision run, gets those that change the problem: not the 8-bit keys, not the optimizer)." if ov else "Config overrides: none (preset defaults).")
+           " (the reference, the standard high-precision run, gets those that change the problem: not the 8-bit keys, "
+           "not the optimizer)." if ov else "Config overrides: none (preset defaults).")
     nan = ("NaN policy: interventions on, so runs continue through non-finite steps (skipped) until "
            f"{g('nan_patience', 10)} in a row; the NaN-triggered exponent shift needs 3." if interventions else
            "NaN policy: stop at the first non-finite step (the requirements' failure study).")
     return "\n\n".join([mw, rule, ovt, nan])
 
 # %% ../nbs/31_sweep.ipynb #00edf1de
-def sweep_setup(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None, interventions: bool = False,
-                data_dir: str = "", wandb_mode: str = "auto", master_weights: str = "fp32", overrides: dict | None = None) -> tuple:
-    "`(out, formats, common, overrides)` of a sweep: its folder made, overrides checked, format names, data prepared, the keywords every run shares."
+def sweep_setup(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None,
+                interventions: bool = False, data_dir: str = "", wandb_mode: str = "auto", master_weights: str = "fp32",
+                overrides: dict | None = None) -> tuple:
+    """`(out, formats, common, overrides)` of a sweep: its folder made, overrides checked, format names, data prepared,
+    the keywords every run shares."""
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     overrides = check_overrides(dict(overrides or {}))
     formats = sweep_formats(formats or REQUIRED_ORDER)
     data_dir = ensure_data(data_dir or None, out)
-    common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir, wandb_mode=wandb_mode,
-                  master_weights=master_weights, stop_on_nan=not interventions)
+    common = dict(preset=preset, steps=steps, seed=seed, interventions=interventions, data_dir=data_dir,
+                  wandb_mode=wandb_mode, master_weights=master_weights, stop_on_nan=not interventions)
     return out, formats, common, overrides
 
+# %% ../nbs/31_sweep.ipynb #8c6839d9
 def refuse_conflicts(out, formats, common: dict, overrides: dict) -> None:
     "Raise `RunConflict` (before anything trains) for a format whose folder holds a run or write-up of another config."
     for fmt in formats:
-        dest = Path(out) / run_name(fmt)                    # (a reuse page alone is the sweep's own: marked again or set aside)
+        dest = Path(out) / run_name(fmt)  # (a reuse page alone is the sweep's own: marked again or set aside)
         action, _, why = job_plan(dest, format_config(fmt, out, **common, **overrides))
         if action == "conflict" and not ((dest / REUSED_FILE).exists() and not (dest / "run").exists()):
             raise RunConflict(conflict_message(run_name(fmt), dest, why))
@@ -378,8 +415,8 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
               master_weights: str = "fp32", overrides: dict | None = None, jobs: int = 1, pooled=None) -> Path:
     """Reference, then every format in the requirements' order (with retries); writes `out/summary.md`.
 
-    A run already in `out` is reused when `check_run` allows (same resolved config, complete files) unless `force`, and an
-    interrupted run of the same config is resumed, so an interrupted sweep continues where it stopped; a finished or
+    A run already in `out` is reused when `check_run` allows (same resolved config, complete files) unless `force`, and
+    an interrupted run of the same config is resumed, so an interrupted sweep continues where it stopped; a finished or
     interrupted run of another config is refused (`RunConflict`, before anything trains) unless `force`; anything else
     (an incomplete folder) is trained again, saying why. A format
     grid-equivalent to an earlier one (same config otherwise) reuses that run. `overrides` are extra `TrainConfig`
@@ -389,14 +426,15 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
     `jobs` > 1: first `train_concurrently` trains the reference and every run (retries included) in up to `jobs`
     processes at once; the sequential pass below then finds them finished. `pooled`: names (and 'reference') that such a
     pass already trained here, which `force` does not train again."""
-    sweep = dict(preset=preset, out=out, steps=steps, seed=seed, formats=formats, interventions=interventions, data_dir=data_dir,
-                 wandb_mode=wandb_mode, master_weights=master_weights, overrides=overrides)
+    sweep = dict(preset=preset, out=out, steps=steps, seed=seed, formats=formats, interventions=interventions,
+                 data_dir=data_dir, wandb_mode=wandb_mode, master_weights=master_weights, overrides=overrides)
     if jobs > 1: pooled = train_concurrently([sweep], jobs, retry, force)[str(Path(out))]
     pooled = set(pooled or ())
     out, formats, common, overrides = sweep_setup(**sweep)
     data_dir = common["data_dir"]
     if not force: refuse_conflicts(out, formats, common, overrides)      # refuse before anything trains
-    ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode, force=force and "reference" not in pooled, **overrides)
+    ref = reference_run(out, preset, seed, steps, data_dir, wandb_mode, force=force and "reference" not in pooled,
+                        **overrides)
     ref_run = load_run(ref)
     uni = unigram_baseline(data_dir)
     note = settings_note(format_config(formats[0] if formats else "E5M2", out, **common, **overrides), master_weights,
@@ -415,19 +453,22 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
             action, run, why = ("train", None, ["--force"]) if forced else run_plan(dest / "run", cfg)
             if action == "conflict": raise RunConflict(conflict_message(name, dest / "run", why))
             if action == "reuse" and not (dest / "report.md").exists():
-                print(f"[altgrad-sweep] {name}: the finished run in {dest / 'run'} has no write-up yet: writing it", flush=True)
+                print(f"[altgrad-sweep] {name}: the finished run in {dest / 'run'} has no write-up yet: writing it",
+                      flush=True)
                 run_notebook(fmt, out, layer_formats=layout, tag=tag, overrides=overrides, **common)
             if action == "reuse": print(f"[altgrad-sweep] {name}: reusing the finished run in {dest}", flush=True)
             else:
-                if action == "resume": print(f"[altgrad-sweep] {name}: resuming the interrupted run in {dest / 'run'}", flush=True)
-                elif dest.exists() and not forced: print(f"[altgrad-sweep] {name}: not reusing {dest}: {'; '.join(why)}", flush=True)
+                if action == "resume":
+                    print(f"[altgrad-sweep] {name}: resuming the interrupted run in {dest / 'run'}", flush=True)
+                elif dest.exists() and not forced:
+                    print(f"[altgrad-sweep] {name}: not reusing {dest}: {'; '.join(why)}", flush=True)
                 print(f"[altgrad-sweep] {name} ({time.time() - t0:.0f} s)", flush=True)
                 if (dest / REUSED_FILE).exists() and not forced:
                     print(f"[altgrad-sweep] {name}: its reuse page is kept whole in {set_aside(dest)}", flush=True)
                 run_notebook(fmt, out, layer_formats=layout, tag=tag, overrides=overrides, force=forced, **common)
                 run, why = check_run(dest / "run", cfg)
-                if run is None: raise RuntimeError(f"{name}: the experiment notebook did not leave the requested run in {dest / 'run'}: "
-                                                   f"{'; '.join(why)}")
+                if run is None: raise RuntimeError(f"{name}: the experiment notebook did not leave the requested run "
+                                                   f"in {dest / 'run'}: {'; '.join(why)}")
             done[key], fmt_of[name], loaded[name] = name, fmt, run
             src = name
         names.append(name); loaded[name] = loaded[src]
@@ -441,7 +482,8 @@ def run_sweep(preset: str = "auto", out="outputs", steps: int = 500, seed: int =
                 msg = f"{fmt}: {s['verdict']}; {e}"
                 print(f"[altgrad-sweep] {msg}", flush=True); notes.append(msg)
             else:
-                print(f"[altgrad-sweep] {fmt}: {s['verdict']}; retrying as {run_name(fmt, tag)} with layer_formats {layout}", flush=True)
+                print(f"[altgrad-sweep] {fmt}: {s['verdict']}; retrying as {run_name(fmt, tag)} with layer_formats "
+                      f"{layout}", flush=True)
                 one(fmt, layout, tag)
         write_summary(out, names, ref, resolve_preset(preset), steps, seed, note, uni, notes, loaded)
     return write_summary(out, names, ref, resolve_preset(preset), steps, seed, note, uni, notes, loaded)
@@ -452,60 +494,73 @@ def conflict_message(name: str, run_dir, why: list[str]) -> str:
     return (f"{name}: {run_dir} holds a run of another config ({'; '.join(why[:3])}{' ...' if len(why) > 3 else ''}): "
             "refusing to replace it; pass --force to train it again in its place, or use another --out")
 
+# %% ../nbs/31_sweep.ipynb #4c4f357a
 def grid_rules() -> list[str]:
     "What `--update-rules all` means: every registered regime of `altgrad.regimes` with the weights on the grid."
     return [n for n, r in UPDATE_RULES.items() if r.master_weights == "format"]
 
+# %% ../nbs/31_sweep.ipynb #c99d7f8f
 def update_rule_overrides(rules: str, overrides: dict) -> dict:
-    """`{regime: overrides}` for `--update-rules` ('all': `grid_rules()`, or comma-separated names of the weights-on-grid
-    regimes of `altgrad.regimes`) on top of `overrides` (each regime's keys but `master_weights`, which the sweep sets)."""
+    """`{regime: overrides}` for `--update-rules` ('all': `grid_rules()`, or comma-separated names of the
+    weights-on-grid regimes of `altgrad.regimes`) on top of `overrides` (each regime's keys but `master_weights`, which
+    the sweep sets)."""
     valid = grid_rules()
     names = valid if rules.strip() == "all" else [r.strip() for r in rules.split(",") if r.strip()]
     bad = [r for r in names if r not in valid]
-    if bad or not names: raise ConfigError(f"unknown update rule(s) {', '.join(bad) or '(none)'}; valid: {', '.join(valid)} or all")
+    if bad or not names: raise ConfigError(f"unknown update rule(s) {', '.join(bad) or '(none)'}; valid: "
+                                           f"{', '.join(valid)} or all")
     per = {n: {k: v for k, v in get_rule(n).overrides().items() if k != "master_weights"} for n in names}
     clash = sorted({k for ov in per.values() for k in ov if k in overrides})
-    if clash: raise ConfigError(f"--update-rules sets {' and '.join(clash)} itself: drop --{clash[0].replace('_', '-')}")
+    if clash: raise ConfigError(f"--update-rules sets {' and '.join(clash)} itself: drop "
+                                f"--{clash[0].replace('_', '-')}")
     return {n: {**overrides, **ov} for n, ov in per.items()}
 
 # %% ../nbs/31_sweep.ipynb #483cd226
 def matrix_note(preset: str, steps: int, seed: int, overrides: dict, formats) -> str:
     "The settings paragraph of a rule matrix (see `altgrad.matrix`)."
-    c = load_config(resolve_preset(preset), **{k: v for k, v in overrides.items() if k not in ("optimizer", "weight_update")})
+    c = load_config(resolve_preset(preset), **{k: v for k,
+                                               v in overrides.items() if k not in ("optimizer", "weight_update")})
     lrs = ", ".join(f"{o} {c.lr * default_lr_scale(o):.3g}" for o in OPTIMIZERS)
     return (f"Preset `{resolve_preset(preset)}`, {steps} steps, seed {seed}, formats {', '.join(formats)}; every 8-bit "
-            f"layer's weights live on its grid (`master_weights=format`); FP32 shadow {'off' if overrides.get('shadow') is False else 'on'}; "
-            f"peak learning rates (each optimizer's default multiple of the preset's; warmup, then cosine decay): {lrs}. Config overrides: "
+            f"layer's weights live on its grid (`master_weights=format`); FP32 shadow "
+            f"{'off' if overrides.get('shadow') is False else 'on'}; peak learning rates (each optimizer's default "
+            f"multiple of the preset's; warmup, then cosine decay): {lrs}. Config overrides: "
             + (", ".join(f"`{k}={v}`" for k, v in sorted(overrides.items())) or "none")
             + ". Each column is one `altgrad-sweep` folder; every cell's write-up is `<rule>/<format>/report.md`. "
             "One seed: a description of this run, not evidence about formats (see `altgrad-study`).")
 
 # %% ../nbs/31_sweep.ipynb #73b75811
 def sweep_cli(argv: list[str] | None = None) -> int:
-    "`altgrad-sweep --preset PRESET --out DIR [--steps N] [--seed S] [--formats E5M2,E3M4] [--no-retry] [--optimizer O] [--update-rules all] [--set key=value] [--jobs N]`"
+    """`altgrad-sweep --preset PRESET --out DIR [--steps N] [--seed S] [--formats E5M2,E3M4] [--no-retry] [--optimizer
+    O] [--update-rules all] [--set key=value] [--jobs N]`"""
     p = argparse.ArgumentParser(prog="altgrad-sweep", description="Train every 8-bit format and write DIR/summary.md")
     p.add_argument("--preset", default="auto"); p.add_argument("--out", default="outputs")
     p.add_argument("--steps", type=int, default=500); p.add_argument("--seed", type=int, default=42)
     p.add_argument("--formats", default=",".join(REQUIRED_ORDER), help="comma-separated element formats (E4M3, ...) "
                    "or block recipes (mxfp8, nvfp4, ...)"); p.add_argument("--no-retry", action="store_true")
-    p.add_argument("--interventions", action="store_true", help="interventions on (runs then continue through NaN steps)")
+    p.add_argument("--interventions", action="store_true", help="interventions on (runs then continue through NaN "
+                   "steps)")
     p.add_argument("--data-dir", default=""); p.add_argument("--wandb-mode", default="auto")
-    p.add_argument("--force", action="store_true", help="train again runs already in --out (finished, or of another config)")
+    p.add_argument("--force", action="store_true", help="train again runs already in --out (finished, or of another "
+                   "config)")
     p.add_argument("--master-weights", default="fp32", choices=["fp32", "format"],
                    help="fp32 master weights (standard) or weights kept on the 8-bit grid after every step")
     p.add_argument("--optimizer", help="base optimizer of every run (TrainConfig.optimizer, e.g. adamw, madam, lion)")
-    p.add_argument("--weight-update", help="how w+u lands on the grid with --master-weights format (e.g. nearest, stochastic, kahan)")
+    p.add_argument("--weight-update", help="how w+u lands on the grid with --master-weights format (e.g. nearest, "
+                   "stochastic, kahan)")
     p.add_argument("--update-rules", metavar="RULES", help="with --master-weights format: one sweep per update rule "
-                   f"(weights-on-grid regimes of altgrad.regimes, comma-separated; all = every registered one: {', '.join(grid_rules())}) into DIR/<rule>, "
+                   f"(weights-on-grid regimes of altgrad.regimes, comma-separated; all = every registered one: "
+                   f"{', '.join(grid_rules())}) into DIR/<rule>, "
                    "then the table DIR/summary.md")
     p.add_argument("--rounding", help="rounding of the GEMM operands W, A, G (nearest, stochastic)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other TrainConfig override for every run (repeatable), e.g. --set lr=3e-4")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="concurrent runs (default 1: one after another): keep N runs going on the device, each in its own process "
-                   "(on CPU with one thread each, OMP_NUM_THREADS=1: N processes for N cores; the rest of the sweep then runs "
-                   "with one thread too); the reference, every format and every retry (with --update-rules: of every rule) "
-                   "train in the pool, logs in DIR/.jobs/, then the sweep goes on as without --jobs and finds them finished")
+                   help="concurrent runs (default 1: one after another): keep N runs going on the device, each in its "
+                   "own process (on CPU with one thread each, OMP_NUM_THREADS=1: N processes for N cores; the rest of "
+                   "the sweep then runs with one thread too); the reference, every format and every retry (with "
+                   "--update-rules: of every rule) train in the pool, logs in DIR/.jobs/, then the sweep goes on as "
+                   "without --jobs and finds them finished")
     a = p.parse_args(argv)
     try:
         if a.jobs < 1: raise ConfigError(f"--jobs {a.jobs}: give the number of concurrent runs, 1 or more")
@@ -514,11 +569,14 @@ def sweep_cli(argv: list[str] | None = None) -> int:
         for k in NOTEBOOK_OVERRIDE_PARAMS:
             v = getattr(a, k)
             if v is None: continue
-            if k in overrides and overrides[k] != v: raise ConfigError(f"{k} is given twice: --{k.replace('_', '-')} {v} and --set {k}={overrides[k]}")
+            if k in overrides and overrides[k] != v:
+                raise ConfigError(f"{k} is given twice: --{k.replace('_', '-')} {v} and --set {k}={overrides[k]}")
             overrides[k] = v
         check_overrides(overrides)
         if a.update_rules is not None:
-            if a.master_weights != "format": raise ConfigError("--update-rules needs --master-weights format (the rules decide how updates land on the grid)")
+            if a.master_weights != "format":
+                raise ConfigError("--update-rules needs --master-weights format (the rules decide how updates land "
+                                  "on the grid)")
             per_rule = update_rule_overrides(a.update_rules, overrides)
         else: per_rule = {None: overrides}
         for ov in per_rule.values(): load_config(resolve_preset(a.preset), master_weights=a.master_weights, **ov)
@@ -526,31 +584,33 @@ def sweep_cli(argv: list[str] | None = None) -> int:
         print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
     outs = {rule: Path(a.out) / rule if rule else a.out for rule in per_rule}
     pooled = {}
-    if a.jobs > 1:                     # every run of every rule in one pool of processes, then the sequential pass below
-        sweeps = [dict(preset=a.preset, out=outs[rule], steps=a.steps, seed=a.seed, formats=fmts, interventions=a.interventions,
-                       data_dir=a.data_dir, wandb_mode=a.wandb_mode, master_weights=a.master_weights, overrides=ov)
+    if a.jobs > 1:  # every run of every rule in one pool of processes, then the sequential pass below
+        sweeps = [dict(preset=a.preset, out=outs[rule], steps=a.steps, seed=a.seed, formats=fmts,
+                       interventions=a.interventions, data_dir=a.data_dir, wandb_mode=a.wandb_mode,
+                       master_weights=a.master_weights, overrides=ov)
                   for rule, ov in per_rule.items()]
         try:
             if sweep_on_cpu(sweeps[0]): one_thread()
             pooled = train_concurrently(sweeps, a.jobs, not a.no_retry, a.force)
         except RunConflict as e: print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
         except JobsInterrupted as e:
-            print(f"[altgrad-sweep] interrupted: the runs in progress stopped at a checkpoint (finished ones are kept); "
-                  "rerun the same command to resume", file=sys.stderr); return e.exit_code
+            print(f"[altgrad-sweep] interrupted: the runs in progress stopped at a checkpoint (finished ones are "
+                  "kept); rerun the same command to resume", file=sys.stderr); return e.exit_code
     for rule, ov in per_rule.items():
         out = outs[rule]
-        try: print(run_sweep(a.preset, out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir, a.wandb_mode, a.force,
-                             a.master_weights, ov, pooled=pooled.get(str(Path(out)))))
+        try: print(run_sweep(a.preset, out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir,
+                             a.wandb_mode, a.force, a.master_weights, ov, pooled=pooled.get(str(Path(out)))))
         except RunConflict as e: print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
     if a.update_rules is not None:
         print(write_matrix(a.out, note=matrix_note(a.preset, a.steps, a.seed, overrides, fmts)))
     return 0
 
 # %% ../nbs/31_sweep.ipynb #e4ea7c83
-def train_format(fmt: str, out, layer_formats=None, tag: str = "", force: bool = False, overrides: dict | None = None, **common) -> str:
-    """Train (or resume) one format's run, as the experiment notebook's training cell does, without its write-up (a `--jobs`
-    process: it may run while the reference trains); returns what it did ('reuse', 'resume', 'train'). `force`: the
-    write-up and run in out/<name> move whole to its `_previous/` folder first, as the notebook does."""
+def train_format(fmt: str, out, layer_formats=None, tag: str = "", force: bool = False, overrides: dict | None = None,
+                 **common) -> str:
+    """Train (or resume) one format's run, as the experiment notebook's training cell does, without its write-up (a
+    `--jobs` process: it may run while the reference trains); returns what it did ('reuse', 'resume', 'train'). `force`:
+    the write-up and run in out/<name> move whole to its `_previous/` folder first, as the notebook does."""
     name = run_name(fmt, tag); dest = Path(out) / name
     cfg = format_config(fmt, out, layer_formats=layer_formats, tag=tag, **common, **(overrides or {}))
     if force:
@@ -563,19 +623,22 @@ def train_format(fmt: str, out, layer_formats=None, tag: str = "", force: bool =
     train(cfg.replace(resume=True) if action == "resume" else cfg, overwrite=action == "train")
     return action
 
+# %% ../nbs/31_sweep.ipynb #6f84a171
 def _spec(kind: str, name: str, out, common: dict, overrides: dict, **kw) -> dict:
     "One process of a sweep's pool (JSON: it travels to the process as its argument)."
-    return dict(dict(kind=kind, name=name, id=name if kind == "reference" else f"{name}:{kind}", out=str(out), common=common,
-                     overrides=overrides, fmt=None, layout=None, tag="", force=False, aside=False, trains=True, after=[]), **kw)
+    return dict(dict(kind=kind, name=name, id=name if kind == "reference" else f"{name}:{kind}", out=str(out),
+                     common=common, overrides=overrides, fmt=None, layout=None, tag="", force=False, aside=False,
+                     trains=True, after=[]), **kw)
 
 # %% ../nbs/31_sweep.ipynb #955ae1f1
-def _format_specs(out, fmt: str, common: dict, overrides: dict, keys: dict, force: bool = False, layout=None, tag: str = "",
-                  ref_after=()) -> tuple[str, list]:
-    "(name of the run that `fmt` with `layout` uses, the processes that make it and its write-up); `keys`: grid_key -> name so far."
+def _format_specs(out, fmt: str, common: dict, overrides: dict, keys: dict, force: bool = False, layout=None,
+                  tag: str = "", ref_after=()) -> tuple[str, list]:
+    """(name of the run that `fmt` with `layout` uses, the processes that make it and its write-up); `keys`: grid_key ->
+    name so far."""
     out = Path(out); name = run_name(fmt, tag); dest = out / name
     cfg = format_config(fmt, out, layer_formats=layout, tag=tag, **common, **overrides)
     key = grid_key(cfg)
-    if key in keys: return keys[key], []                # grid-equivalent to an earlier run: the sequential pass marks it reused
+    if key in keys: return keys[key], []  # grid-equivalent to an earlier run: the sequential pass marks it reused
     keys[key] = name
     action = "train" if force else run_plan(dest / "run", cfg)[0]
     kw = dict(fmt=fmt, layout=layout, tag=tag)
@@ -583,34 +646,40 @@ def _format_specs(out, fmt: str, common: dict, overrides: dict, keys: dict, forc
     if action == "conflict": return name, []            # the sequential pass refuses it
     if action == "reuse":
         return name, [] if (dest / "report.md").exists() else [spec("notebook", after=list(ref_after), trains=False)]
-    aside = not force and (dest / REUSED_FILE).exists()  # a reuse page there: kept whole in _previous/, as the pass does
+    # a reuse page there: kept whole in _previous/, as the pass does
+    aside = not force and (dest / REUSED_FILE).exists()
     if not ref_after: return name, [spec("notebook", force=force, aside=aside)]
-    return name, [spec("train", force=force, aside=aside), spec("notebook", after=[*ref_after, f"{name}:train"], trains=False)]
+    return name, [spec("train", force=force, aside=aside),
+                  spec("notebook", after=[*ref_after, f"{name}:train"], trains=False)]
 
 # %% ../nbs/31_sweep.ipynb #4003fdb1
 def pool_plan(out, formats, common: dict, overrides: dict, force: bool = False) -> dict:
-    """The processes `--jobs` starts for one sweep (`sweep_setup`'s `out, formats, common, overrides`) before its sequential
-    pass, in start order: 'reference' (`reference_run`) unless the reference is reusable (a reference of another config:
-    `RunConflict`); per format whose run is not reusable, 'train' (the run alone, `train_format`) then 'notebook' (`run_notebook`:
-    the write-up once the reference is there), or 'notebook' alone when the reference is reusable; a reusable run without its
-    write-up: 'notebook' alone. A format grid-equivalent to an earlier one gets none. Returns `{'jobs': [spec], 'keys':
-    {grid_key: name}, 'source': {format: name of the run it uses}, 'reference': folder, 'out', 'common', 'overrides', 'force'}`."""
+    """The processes `--jobs` starts for one sweep (`sweep_setup`'s `out, formats, common, overrides`) before its
+    sequential pass, in start order: 'reference' (`reference_run`) unless the reference is reusable (a reference of
+    another config: `RunConflict`); per format whose run is not reusable, 'train' (the run alone, `train_format`) then
+    'notebook' (`run_notebook`: the write-up once the reference is there), or 'notebook' alone when the reference is
+    reusable; a reusable run without its write-up: 'notebook' alone. A format grid-equivalent to an earlier one gets
+    none. Returns `{'jobs': [spec], 'keys': {grid_key: name}, 'source': {format: name of the run it uses}, 'reference':
+    folder, 'out', 'common', 'overrides', 'force'}`."""
     out = Path(out)
-    rc = reference_config(out, common["preset"], common["seed"], common["steps"], common["data_dir"], common["wandb_mode"], **overrides)
+    rc = reference_config(out, common["preset"], common["seed"], common["steps"], common["data_dir"],
+                          common["wandb_mode"], **overrides)
     action, _, why = ("train", None, []) if force else run_plan(rc.out_dir, rc, accept=("finished",))
     if action == "conflict": raise reference_conflict(rc.out_dir, why)
     jobs = [_spec("reference", "reference", out, common, overrides, force=force)] if action != "reuse" else []
     keys, source = {}, {}
     for fmt in formats:
-        source[fmt], specs = _format_specs(out, fmt, common, overrides, keys, force, ref_after=[j["id"] for j in jobs[:1]])
+        source[fmt], specs = _format_specs(out, fmt, common, overrides, keys, force,
+                                           ref_after=[j["id"] for j in jobs[:1]])
         jobs += specs
-    return dict(jobs=jobs, keys=keys, source=source, reference=Path(rc.out_dir), out=out, common=common, overrides=overrides, force=force)
+    return dict(jobs=jobs, keys=keys, source=source, reference=Path(rc.out_dir), out=out, common=common,
+                overrides=overrides, force=force)
 
 # %% ../nbs/31_sweep.ipynb #655c0ffd
 def retry_specs(plan: dict, fmt: str, ref_run=None) -> list:
-    """The process of `fmt`'s retry, decided as the sequential pass decides it (verdict not PASS, then `retry_layout`), once
-    the run `fmt` uses (`plan['source']`) and the reference are finished; [] for none (a PASS, a refused layout, a retry
-    that is reusable or grid-equivalent to a run planned before)."""
+    """The process of `fmt`'s retry, decided as the sequential pass decides it (verdict not PASS, then `retry_layout`),
+    once the run `fmt` uses (`plan['source']`) and the reference are finished; [] for none (a PASS, a refused layout, a
+    retry that is reusable or grid-equivalent to a run planned before)."""
     out = plan["out"]
     run, _ = check_run(out / plan["source"][fmt] / "run")
     if run is None: return []                           # not finished: the sequential pass decides
@@ -621,23 +690,30 @@ def retry_specs(plan: dict, fmt: str, ref_run=None) -> list:
 
 # %% ../nbs/31_sweep.ipynb #5dd611ea
 def sweep_job(spec: dict) -> int:
-    "The body of one process of a sweep's pool (`pool_plan`'s spec): 'reference', 'train' (`train_format`) or 'notebook' (`run_notebook`)."
-    signal.signal(signal.SIGTERM, signal.default_int_handler)   # the pool's SIGTERM as Ctrl-C: papermill interrupts its kernel, the run checkpoints
+    """The body of one process of a sweep's pool (`pool_plan`'s spec): 'reference', 'train' (`train_format`) or
+    'notebook' (`run_notebook`)."""
+    # the pool's SIGTERM as Ctrl-C: papermill interrupts its kernel, the run checkpoints
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     out, common, ov, force = Path(spec["out"]), spec["common"], spec["overrides"], spec["force"]
     try:
         if spec["kind"] == "reference":
-            reference_run(out, common["preset"], common["seed"], common["steps"], common["data_dir"], common["wandb_mode"], force=force, **ov)
+            reference_run(out, common["preset"], common["seed"], common["steps"], common["data_dir"],
+                          common["wandb_mode"], force=force, **ov)
             return 0
         dest = out / spec["name"]
-        if spec["aside"] and (dest / REUSED_FILE).exists(): print(f"{spec['name']}: its reuse page is kept whole in {set_aside(dest)}")
+        if spec["aside"] and (dest / REUSED_FILE).exists():
+            print(f"{spec['name']}: its reuse page is kept whole in {set_aside(dest)}")
         if spec["kind"] == "train": train_format(spec["fmt"], out, spec["layout"], spec["tag"], force, ov, **common)
-        else: print(run_notebook(spec["fmt"], out, layer_formats=spec["layout"], tag=spec["tag"], overrides=ov, force=force, **common))
+        else: print(run_notebook(spec["fmt"], out, layer_formats=spec["layout"], tag=spec["tag"], overrides=ov,
+                                 force=force, **common))
     except KeyboardInterrupt as e: return e.exit_code if isinstance(e, Interrupted) else 130
     return 0
 
+# %% ../nbs/31_sweep.ipynb #1ed4ac0e
 def sweep_on_cpu(sweep: dict) -> bool:
     "Do the runs of `sweep` (`run_sweep` keywords) train on the CPU?"
-    return runs_on_cpu(load_config(resolve_preset(sweep.get("preset", "auto")), master_weights=sweep.get("master_weights", "fp32"),
+    return runs_on_cpu(load_config(resolve_preset(sweep.get("preset", "auto")),
+                                   master_weights=sweep.get("master_weights", "fp32"),
                                    **(sweep.get("overrides") or {})))
 
 # %% ../nbs/31_sweep.ipynb #606c561c
@@ -650,21 +726,25 @@ def train_concurrently(sweeps: list[dict], jobs: int, retry: bool = True, force:
     for sw in sweeps:
         out, formats, common, overrides = sweep_setup(**sw)
         if not force: refuse_conflicts(out, formats, common, overrides)
-        plans.append(dict(pool_plan(out, formats, common, overrides, force), formats=formats, waiting=list(formats) if retry else []))
+        plans.append(dict(pool_plan(out, formats, common, overrides, force), formats=formats,
+                          waiting=list(formats) if retry else []))
     where = lambda plan, s: f"{plan['out'].name}/{s['name']}" if len(plans) > 1 else s["name"]
     def job(i, s):
         plan = plans[i]
         what = {"train": " (training)", "notebook": "" if s["trains"] else " (write-up)"}.get(s["kind"], "")
         log = plan["out"] / ".jobs" / f"{s['id'].replace(':', '.')}.log"
-        cmd = [sys.executable, "-c", "import json, sys; from altgrad.sweep import sweep_job; sys.exit(sweep_job(json.loads(sys.argv[1])))",
+        cmd = [sys.executable, "-c", "import json, sys; from altgrad.sweep import sweep_job; "
+               "sys.exit(sweep_job(json.loads(sys.argv[1])))",
                json.dumps(s)]
-        return Job(f"{plan['out']}/{s['id']}", cmd, log, where(plan, s) + what, tuple(f"{plan['out']}/{a}" for a in s["after"]),
+        return Job(f"{plan['out']}/{s['id']}", cmd, log, where(plan, s) + what,
+                   tuple(f"{plan['out']}/{a}" for a in s["after"]),
                    {"reference": 0, "notebook": 1}.get(s["kind"], 2), dict(plan=i, spec=s))
     rcs = {}
     def retries(i) -> list:
         "The retries of plan `i` that can be decided now (its reference and the format's run finished)."
         plan, new = plans[i], []
-        state = lambda jid: 0 if jid is None else rcs.get(f"{plan['out']}/{jid}")       # 0 ok, None running/waiting, else failed
+        # 0 ok, None running/waiting, else failed
+        state = lambda jid: 0 if jid is None else rcs.get(f"{plan['out']}/{jid}")
         trains = {s["name"]: s["id"] for s in plan["jobs"] if s["trains"]}
         ref = state(trains.get("reference"))
         for fmt in list(plan["waiting"]):
@@ -676,7 +756,8 @@ def train_concurrently(sweeps: list[dict], jobs: int, retry: bool = True, force:
                 if "ref_run" not in plan: plan["ref_run"] = load_run(plan["reference"])
                 specs = retry_specs(plan, fmt, plan["ref_run"])
             except Exception as e:
-                print(f"[altgrad-sweep] {fmt}: could not decide its retry here ({type(e).__name__}: {e}); the sequential pass will", flush=True)
+                print(f"[altgrad-sweep] {fmt}: could not decide its retry here ({type(e).__name__}: {e}); the "
+                      f"sequential pass will", flush=True)
                 continue
             plan["jobs"] += specs; new += [job(i, s) for s in specs]
         return new
@@ -688,7 +769,9 @@ def train_concurrently(sweeps: list[dict], jobs: int, retry: bool = True, force:
     if first:
         cpu = sweep_on_cpu(sweeps[0])
         print(f"[altgrad-sweep] --jobs {jobs}: {len(first)} processes to start, at most {jobs} at a time"
-              + (" (one thread each)" if cpu else "") + f"; logs in {', '.join(sorted({portable(p['out'] / '.jobs') for p in plans}))}",
+              + (" (one thread each)" if cpu
+                 else "") + f"; logs in {', '.join(sorted({portable(p['out'] / '.jobs') for p in plans}))}",
               flush=True)
         run_pool(first, jobs, job_env(cpu), on_done, desc="sweep processes", prefix="[altgrad-sweep]")
-    return {str(p["out"]): {s["name"] for s in p["jobs"] if s["trains"] and rcs.get(f"{p['out']}/{s['id']}") == 0} for p in plans}
+    return {str(p["out"]): {s["name"] for s in p["jobs"] if s["trains"] and rcs.get(f"{p['out']}/{s['id']}") == 0}
+            for p in plans}

@@ -42,22 +42,26 @@ def model_layers(config, layer_formats=None) -> tuple[list[str], list[str]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")                     # layout patterns that match no layer
         linear = [n for n, _ in quantized_layers(quantize_model(build(), format="E4M3"))]
-        q = [n for n, _ in quantized_layers(quantize_model_from_config(build(), c))] if (c.fmt or c.layer_formats) else []
+        q = ([n for n, _ in quantized_layers(quantize_model_from_config(build(), c))] if (c.fmt or c.layer_formats)
+             else [])
     return linear, q
 
 # %% ../nbs/30b_sweep_summary.ipynb #888c5ff6
 def count_8bit_layers(run: Run) -> tuple[int | None, int | None]:
-    "(8-bit linear layers, linear layers) of a run: from its summary.json when recorded, else from its config (`model_layers`)."
+    """(8-bit linear layers, linear layers) of a run: from its summary.json when recorded, else from its config
+    (`model_layers`)."""
     q, n = run.summary.get("quantized_layers"), run.summary.get("linear_layers")
     if q is not None and n is not None: return int(q), int(n)
     try:
         lin, q8 = model_layers(run.config)
         return len(q8), len(lin)
-    except Exception:                                       # an unusual config: count the layers that logged 8-bit metrics
+    except Exception:  # an unusual config: count the layers that logged 8-bit metrics
         q8 = {k.split("/")[1] for k in run.keys("overflow/") if k.count("/") == 2}
         return (len(q8) or None), None
 
-def summary_row(name: str, run: Run | None, ref: Run | None = None, marker: dict | None = None, unigram: float | None = None) -> dict:
+# %% ../nbs/30b_sweep_summary.ipynb #e0a4298e
+def summary_row(name: str, run: Run | None, ref: Run | None = None, marker: dict | None = None,
+                unigram: float | None = None) -> dict:
     "The numbers of one table row: `run_summary` with the row's `name` (`marker`: a reused run's `reused.json`)."
     if run is None: return dict(name=name, verdict="NOT RUN")
     s = run_summary(run, ref, unigram); s["name"] = name
@@ -65,9 +69,11 @@ def summary_row(name: str, run: Run | None, ref: Run | None = None, marker: dict
     s["quantized_layers"], s["linear_layers"] = count_8bit_layers(run)
     return s
 
+# %% ../nbs/30b_sweep_summary.ipynb #3c0db8e1
 def summary_rows(runs: dict, ref: Run | None = None, out=None, unigram: float | None = None) -> list[dict]:
     "Summary numbers of each run of `load_runs` against the reference `Run` (reuse markers read from `out`)."
-    return [summary_row(n, run, ref, reuse_marker(Path(out) / n) if out is not None else None, unigram) for n, run in runs.items()]
+    return [summary_row(n, run, ref, reuse_marker(Path(out) / n) if out is not None else None, unigram) for n,
+            run in runs.items()]
 
 # %% ../nbs/30b_sweep_summary.ipynb #a5e0c003
 def plot_sweep(runs: dict, ref: Run | None = None, tolerance: float = 0.10):
@@ -83,16 +89,18 @@ def plot_sweep(runs: dict, ref: Run | None = None, tolerance: float = 0.10):
         tl_s, tl_v = run.series("train/loss"); bad = tl_s[~np.isfinite(tl_v)]
         if len(bad): a1.axvline(bad[0], color=f"C{i}", ls="--", lw=0.8)
         last = run.last("val/loss")
-        labels.append(n); diffs.append(last - ref_v if (last is not None and ref_v is not None) else np.nan); colors.append(f"C{i}")
+        labels.append(n); diffs.append(last - ref_v if (last is not None and ref_v is not None) else np.nan)
+        colors.append(f"C{i}")
     if ref is not None:
         s, v = ref.series("val/loss"); a1.plot(s, v, "k--", lw=1.6, zorder=5, label="reference")
-    a1.set(xlabel="step", ylabel="validation loss (nats)", title="validation loss (dashed verticals: first NaN)"); legend(a1, fontsize=7)
+    a1.set(xlabel="step", ylabel="validation loss (nats)", title="validation loss (dashed verticals: first NaN)")
+    legend(a1, fontsize=7)
     x = np.arange(len(labels)); d = np.asarray(diffs, dtype=float)
     a2.bar(x, np.nan_to_num(d, nan=0.0), color=colors)
     for xi, di in zip(x, d):
         a2.annotate("no loss" if np.isnan(di) else f"{di:+.3f}", (xi, 0 if np.isnan(di) else di), ha="center",
-                    va="bottom" if np.isnan(di) or di >= 0 else "top", fontsize=7, xytext=(0, 2 if np.isnan(di) or di >= 0 else -2),
-                    textcoords="offset points")
+                    va="bottom" if np.isnan(di) or di >= 0 else "top", fontsize=7,
+                    xytext=(0, 2 if np.isnan(di) or di >= 0 else -2), textcoords="offset points")
     a2.axhline(0, color="k", lw=0.8)
     fin = d[np.isfinite(d)]; bound = tolerance * ref_v if ref_v is not None else None
     hi, lo = max([*fin, 0.0]), min([*fin, 0.0])
@@ -100,9 +108,11 @@ def plot_sweep(runs: dict, ref: Run | None = None, tolerance: float = 0.10):
     if bound is not None:
         what = f"PASS bound: +{bound:.3g} nats ({1 + tolerance:.2f}× the reference)"
         if lo - pad <= bound <= hi + pad: a2.axhline(bound, color="k", ls=":", lw=1, label=what)
-        else: a2.plot([], [], " ", label=what + ", off this axis")   # stated, not drawn: drawing it would flatten the bars
+        # stated, not drawn: drawing it would flatten the bars
+        else: a2.plot([], [], " ", label=what + ", off this axis")
     a2.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
-    a2.set(ylabel="final val loss − reference (nats)", title="final validation loss relative to the reference"); legend(a2, fontsize=7)
+    a2.set(ylabel="final val loss − reference (nats)", title="final validation loss relative to the reference")
+    legend(a2, fontsize=7)
     fig.tight_layout(); return fig
 
 # %% ../nbs/30b_sweep_summary.ipynb #ad6488f8
@@ -117,33 +127,41 @@ def plot_reference(r: Run, unigram: float | None = None):
 
 # %% ../nbs/30b_sweep_summary.ipynb #a5e0c004
 TABLE_HEAD = ("| run | format | layer formats | 8-bit layers | final val loss | ratio to reference | progress lost | "
-              "quantized-layer cosine | all-parameter cosine | lost update | mean bit-stall | max overflow | failure step | verdict |")
+              "quantized-layer cosine | all-parameter cosine | lost update | mean bit-stall | max overflow | failure "
+              "step | verdict |")
 
+# %% ../nbs/30b_sweep_summary.ipynb #161bc61f
 def layout_text(layer_formats) -> str:
     "A precision layout as a table cell: 'uniform', or 'pattern→format; ...'."
     if not layer_formats: return "uniform"
     return "; ".join(f"{p}→{f or 'high precision'}" for p, f in layer_formats)
 
+# %% ../nbs/30b_sweep_summary.ipynb #7244af27
 def _writeups_text(linked: dict) -> str:
     "Where the sweep's write-ups are: every cell's, some (linked in the table), or none (runs only)."
     if all(linked.values()): return "Each format's write-up is in `<name>/report.md`."
-    if any(linked.values()): return "Write-ups (`<name>/report.md`) are linked in the table; the other cells keep their run (`<name>/run/`) only."
-    return "The cells keep their runs (`<name>/run/`) only: write-ups are kept for the main job's formats (`outputs/<format>/`)."
+    if any(linked.values()): return ("Write-ups (`<name>/report.md`) are linked in the table; the other cells keep "
+                                     "their run (`<name>/run/`) only.")
+    return ("The cells keep their runs (`<name>/run/`) only: write-ups are kept for the main job's formats "
+            "(`outputs/<format>/`).")
 
 # %% ../nbs/30b_sweep_summary.ipynb #0ba07aaa
 def _table_row(r: dict, linked: bool = True) -> str:
     "One table row; `linked`: the run's folder holds a write-up (`report.md`) to link to."
     if r.get("verdict") == "NOT RUN": return f"| {r['name']} |" + " |" * 12 + " NOT RUN |"
     src = r.get("reused_from")
-    link = (f"[{r['name']}]({src or r['name']}/report.md)" if linked else r["name"]) + (f" (= {src} run)" if src else "")
+    link = ((f"[{r['name']}]({src or r['name']}/report.md)" if linked else r["name"])
+            + (f" (= {src} run)" if src else ""))
     q, n = r.get("quantized_layers"), r.get("linear_layers")
     layers = "—" if q is None else f"{q}/{n}" if n is not None else f"{q}"
-    return (f"| {link} | {r['fmt']} | {layout_text(r['layer_formats'])} | {layers} | {fmt_num(r.get('final_val_loss'))} | "
-            f"{fmt_num(r.get('ratio_to_ref'), '.3f')} | {fmt_num(r.get('progress_lost'), '.3f')} | "
-            f"{fmt_num(r.get('quantized_cos'), '.4f')} | {fmt_num(r.get('all_cos'), '.4f')} | "
-            f"{fmt_num(r.get('mean_lost_update'), '.3g')} | {fmt_num(r.get('mean_stall'), '.3f')} | "
-            f"{fmt_num(r.get('max_overflow'), '.3g')} | {fmt_num(r.get('first_nan_step'))} | {r['verdict']} |")
+    return (f"| {link} | {r['fmt']} | {layout_text(r['layer_formats'])} | {layers} | "
+            f"{fmt_num(r.get('final_val_loss'))} | {fmt_num(r.get('ratio_to_ref'), '.3f')} | "
+            f"{fmt_num(r.get('progress_lost'), '.3f')} | {fmt_num(r.get('quantized_cos'), '.4f')} | "
+            f"{fmt_num(r.get('all_cos'), '.4f')} | {fmt_num(r.get('mean_lost_update'), '.3g')} | "
+            f"{fmt_num(r.get('mean_stall'), '.3f')} | {fmt_num(r.get('max_overflow'), '.3g')} | "
+            f"{fmt_num(r.get('first_nan_step'))} | {r['verdict']} |")
 
+# %% ../nbs/30b_sweep_summary.ipynb #060ca92b
 def _save_fig(fig, path: Path):
     fig.savefig(path, dpi=FIG_DPI); plt.close(fig)
 
@@ -160,7 +178,8 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
     ref = load_run(ref_dir) if ref_dir else None
     rows = summary_rows(runs, ref, out, unigram)
     linked = {r["name"]: (out / (r.get("reused_from") or r["name"]) / "report.md").exists() for r in rows}
-    ran = {r["name"]: linked[r["name"]] for r in rows if r.get("verdict") != "NOT RUN"}   # a run not run has nothing to link
+    # a run not run has nothing to link
+    ran = {r["name"]: linked[r["name"]] for r in rows if r.get("verdict") != "NOT RUN"}
     _save_fig(plot_sweep(runs, ref), out / "summary.png")
     if ref is not None and ref.summary.get("device"): dev = ref.summary["device"]
     else:
@@ -173,8 +192,8 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
     if ref is not None:
         _save_fig(plot_reference(ref, unigram), out / "reference.png")
         tps = ref.summary.get("tokens_per_sec")
-        L += [f"The reference ran {ref.summary.get('final_step')} steps at {fmt_num(tps, ',.0f')} tokens/s (median step); "
-              f"its validation loss {fmt_num(ref.last('val/loss'))} nats/token against the unigram baseline "
+        L += [f"The reference ran {ref.summary.get('final_step')} steps at {fmt_num(tps, ',.0f')} tokens/s (median "
+              f"step); its validation loss {fmt_num(ref.last('val/loss'))} nats/token against the unigram baseline "
               f"{fmt_num(unigram)} (add-one smoothed train unigram, scored on validation).", "",
               "![reference](reference.png)", ""]
     if note: L += [note, ""]
@@ -182,8 +201,8 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
     L += [_table_row(r, linked[r["name"]]) for r in rows]
     below = [r["reuse_note"] for r in rows if r.get("reuse_note")] + list(notes)
     if below: L += [""] + [f"- {x}" for x in below]
-    L += ["", "8-bit layers: linear layers simulated in 8-bit / all linear layers (the tied embedding/LM head excluded).", "",
-          "![sweep](summary.png)", ""]
+    L += ["", "8-bit layers: linear layers simulated in 8-bit / all linear layers (the tied embedding/LM head "
+          "excluded).", "", "![sweep](summary.png)", ""]
     (out / "summary.md").write_text("\n".join(L))
     (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
     return out / "summary.md"
@@ -191,6 +210,7 @@ def write_summary(out, names: list[str], ref_dir, preset: str, steps: int, seed:
 # %% ../nbs/30b_sweep_summary.ipynb #16f62f3d
 SWEEP_INPUTS = "sweep.json"   # optional: write_summary's arguments, if the sweep stores them
 
+# %% ../nbs/30b_sweep_summary.ipynb #7c5ae982
 def _match_reference(out: Path) -> Path | None:
     "The `_reference/*` run beside write-up `out` with the same model, batch, length, seed and learning rate."
     try: cfg = read_config(out / "run")
@@ -201,6 +221,7 @@ def _match_reference(out: Path) -> Path | None:
         if rc and all(rc.get(k) == cfg.get(k) for k in keys): return d
     return None
 
+# %% ../nbs/30b_sweep_summary.ipynb #7958ec76
 def report_inputs(out_dir) -> dict:
     "The inputs of the write-up in `out_dir`: its `report_inputs.json`, else inferred (`inferred: True`)."
     out = Path(out_dir)
@@ -217,10 +238,13 @@ def regenerate_report(out_dir, unigram: float | None = None) -> Path:
     out = Path(out_dir); inp = report_inputs(out)
     ref = (out / inp["ref"]) if inp.get("ref") else None
     u = unigram if unigram is not None else inp.get("unigram")
-    return write_report(out / inp.get("run", "run"), ref, out, title=inp.get("title"), extra_setup=inp.get("extra_setup") or None, unigram=u)
+    return write_report(out / inp.get("run", "run"), ref, out, title=inp.get("title"),
+                        extra_setup=inp.get("extra_setup") or None, unigram=u)
 
+# %% ../nbs/30b_sweep_summary.ipynb #90a11dce
 def _old_note(summary_md: Path) -> str:
-    "The settings paragraphs of an existing `summary.md`: between the reference figure and the table (else the master-weights line)."
+    """The settings paragraphs of an existing `summary.md`: between the reference figure and the table (else the
+    master-weights line)."""
     lines = summary_md.read_text().splitlines() if summary_md.exists() else []
     try:
         i = lines.index("![reference](reference.png)")
@@ -231,9 +255,9 @@ def _old_note(summary_md: Path) -> str:
 
 # %% ../nbs/30b_sweep_summary.ipynb #691fb605
 def summary_inputs(sweep_dir, unigram: float | None = None) -> tuple[dict | None, str]:
-    """(the `write_summary` arguments of the sweep folder `sweep_dir`, '') or (None, why they cannot be told): names from
-    its `summary.json` rows; reference, steps, seed, preset from the reference folder; `note` from the old `summary.md`;
-    any of them (and `notes`) from `sweep.json` where the sweep stored it."""
+    """(the `write_summary` arguments of the sweep folder `sweep_dir`, '') or (None, why they cannot be told): names
+    from its `summary.json` rows; reference, steps, seed, preset from the reference folder; `note` from the old
+    `summary.md`; any of them (and `notes`) from `sweep.json` where the sweep stored it."""
     d = Path(sweep_dir)
     rows = read_json(d / "summary.json")
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "name" in r for r in rows):
@@ -245,12 +269,14 @@ def summary_inputs(sweep_dir, unigram: float | None = None) -> tuple[dict | None
     if lost: return None, f"no metrics for {', '.join(lost)} (run folders without metrics.jsonl/metrics.parquet)"
     first = report_inputs(d / w[0]) if w else {}
     refs = sorted(x for x in (d / "_reference").iterdir() if x.is_dir())
-    ref = (d / args["ref_dir"]) if args.get("ref_dir") else ((d / w[0] / first["ref"]) if first.get("ref") else (refs[0] if len(refs) == 1 else None))
+    ref = ((d / args["ref_dir"]) if args.get("ref_dir")
+           else ((d / w[0] / first["ref"]) if first.get("ref") else (refs[0] if len(refs) == 1 else None)))
     if ref is None: return None, "cannot tell which _reference run the sweep used"
     rc = read_yaml(ref / "config.yaml")
     m = re.match(r"^(\w+)-s\d+-n\d+$", Path(ref).resolve().name)
-    kw = dict(out=d, names=args.get("names", names), ref_dir=ref, preset=args.get("preset", m.group(1) if m else "auto"),
-              steps=args.get("steps", rc.get("max_steps")), seed=args.get("seed", rc.get("seed")),
+    kw = dict(out=d, names=args.get("names", names), ref_dir=ref,
+              preset=args.get("preset", m.group(1) if m else "auto"), steps=args.get("steps", rc.get("max_steps")),
+              seed=args.get("seed", rc.get("seed")),
               note=args["note"] if "note" in args else _old_note(d / "summary.md"),
               unigram=unigram if unigram is not None else args.get("unigram", first.get("unigram")))
     if "notes" in args: kw["notes"] = args["notes"]
@@ -266,26 +292,32 @@ def regenerate_summary(sweep_dir, unigram: float | None = None) -> tuple[Path | 
 # %% ../nbs/30b_sweep_summary.ipynb #a5e0c007
 def report_cli(argv: list[str] | None = None) -> int:
     "`altgrad-report PATH [--unigram X | --data-dir DIR] [--compact] [--no-summary]`"
-    p = argparse.ArgumentParser(prog="altgrad-report", description="Regenerate every write-up (report.md + figures) and "
-                                "sweep summary under PATH from the committed run folders alone: no data, no training.")
-    p.add_argument("path", help="a write-up folder (holding run/ and report.md) or a sweep folder (holding such folders and _reference/)")
-    p.add_argument("--unigram", type=float, default=None, help="unigram-baseline validation loss (nats/token), overriding the stored one")
-    p.add_argument("--data-dir", default=None, help="prepared EurLex folder to compute the unigram baseline from (overrides the stored one)")
-    p.add_argument("--compact", action="store_true", help="first write metrics.parquet for every run folder that still has metrics.jsonl")
+    p = argparse.ArgumentParser(prog="altgrad-report", description="Regenerate every write-up (report.md + figures) "
+                                "and sweep summary under PATH from the committed run folders alone: no data, no "
+                                "training.")
+    p.add_argument("path", help="a write-up folder (holding run/ and report.md) or a sweep folder (holding such "
+                   "folders and _reference/)")
+    p.add_argument("--unigram", type=float, default=None, help="unigram-baseline validation loss (nats/token), "
+                   "overriding the stored one")
+    p.add_argument("--data-dir", default=None, help="prepared EurLex folder to compute the unigram baseline from "
+                   "(overrides the stored one)")
+    p.add_argument("--compact", action="store_true", help="first write metrics.parquet for every run folder that "
+                   "still has metrics.jsonl")
     p.add_argument("--no-summary", action="store_true", help="regenerate the write-ups only, not the sweep summaries")
     a = p.parse_args(argv)
     root = Path(a.path)
     if not root.is_dir(): print(f"altgrad-report: {root} is not a folder", file=sys.stderr); return 2
     writeups = find_writeups(root)
     if not writeups:
-        print(f"altgrad-report: no write-up under {root}: a write-up is a folder holding run/config.yaml, as altgrad-sweep "
-              "lays them out (<out>/<name>/{report.md, figures/, run/})", file=sys.stderr); return 2
+        print(f"altgrad-report: no write-up under {root}: a write-up is a folder holding run/config.yaml, as "
+              "altgrad-sweep lays them out (<out>/<name>/{report.md, figures/, run/})", file=sys.stderr); return 2
     unigram = a.unigram
     if unigram is None and a.data_dir:
         unigram = unigram_baseline(a.data_dir)
     matplotlib.use("Agg")
     if a.compact:
-        runs = [w / "run" for w in writeups] + [r for s in find_sweeps(root) for r in sorted((s / "_reference").glob("*"))]
+        runs = ([w / "run" for w in writeups]
+                + [r for s in find_sweeps(root) for r in sorted((s / "_reference").glob("*"))])
         for r in runs:
             if (r / METRICS_JSONL).exists(): print(f"[altgrad-report] compacted {compact_metrics(r)}")
     skipped, run_only = 0, [w for w in writeups if not (w / "report.md").exists()]
@@ -296,7 +328,8 @@ def report_cli(argv: list[str] | None = None) -> int:
             skipped += 1
             print(f"[altgrad-report] skipped {w}: {e} (a run committed before compact metrics existed: re-run it, or "
                   "`altgrad-report --compact` where its metrics.jsonl is still on disk)", file=sys.stderr)
-    if run_only: print(f"[altgrad-report] {len(run_only)} sweep cell(s) hold their run only (no report.md): no write-up to regenerate")
+    if run_only: print(f"[altgrad-report] {len(run_only)} sweep cell(s) hold their run only (no report.md): no "
+                       f"write-up to regenerate")
     if not a.no_summary:
         for s in find_sweeps(root):
             path, what = regenerate_summary(s, unigram)

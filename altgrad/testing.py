@@ -11,29 +11,34 @@ import yaml
 from .grid import LANDINGS
 from .runs import ALERTS_COMPACT, ALERTS_JSONL
 from .tracking import METRICS_COMPACT, METRICS_JSONL, encode_json, write_metrics_compact
-from .study import (ANALYSIS_SETTINGS, INPUTS_FILE, REQUIRED_EXPECTATIONS, StudyPlan, bracket_grids, decisive_choice, decisive_command,
-                           decisive_lr_specs, decisive_seed_specs, json_safe, run_dir)
+from .study import (ANALYSIS_SETTINGS, INPUTS_FILE, REQUIRED_EXPECTATIONS, StudyPlan, bracket_grids,
+                           decisive_choice, decisive_command, decisive_lr_specs, decisive_seed_specs, json_safe,
+                           run_dir)
 
 # %% auto #0
 __all__ = ['SYN_LAYERS', 'write_fake_run', 'write_synthetic_run', 'fake_decisive_study']
 
 # %% ../nbs/33_testing.ipynb #3c3e0abf
-def write_fake_run(d, loss: float | None, steps: int = 10, fmt: str | None = "E4M3", seed: int = 42, pred_stall: float = 0.5,
-                   update_ratio: float = 0.4, precision: str = "auto", seconds: float = 1.0) -> Path:
+def write_fake_run(d, loss: float | None, steps: int = 10, fmt: str | None = "E4M3", seed: int = 42,
+                   pred_stall: float = 0.5, update_ratio: float = 0.4, precision: str = "auto",
+                   seconds: float = 1.0) -> Path:
     "A small finished run folder (for tests and examples): val/loss ends at `loss` (None: the run stopped at a NaN)."
     d = Path(d); d.mkdir(parents=True, exist_ok=True)
     nan_at = None if loss is not None else steps // 2
     recs = []
     for s in range(1, (nan_at or steps) + 1):
         r = {"step": s, "train/loss": (float("nan") if s == nan_at else 6.0 - s * 0.01)}
-        if fmt: r.update({"pred_stall/total": pred_stall, "update_ratio/total": update_ratio, "stall/total": pred_stall * 0.9,
-                          "rho/total": 1 - pred_stall, "lost_update/total": pred_stall})
+        if fmt: r.update({"pred_stall/total": pred_stall, "update_ratio/total": update_ratio,
+                          "stall/total": pred_stall * 0.9, "rho/total": 1 - pred_stall,
+                          "lost_update/total": pred_stall})
         if s == steps: r["val/loss"] = loss
         recs.append(r)
     write_metrics_compact(recs, d / METRICS_COMPACT)
-    (d / "summary.json").write_text(json.dumps(dict(final_step=nan_at or steps, max_steps=steps, stopped_reason="nan" if nan_at else "max_steps",
+    (d / "summary.json").write_text(json.dumps(dict(final_step=nan_at or steps, max_steps=steps,
+                                                    stopped_reason="nan" if nan_at else "max_steps",
                                                     first_nan_step=nan_at, seconds=seconds, device="cpu")))
-    (d / "config.yaml").write_text(yaml.safe_dump(dict(fmt=fmt, max_steps=steps, seed=seed, precision=precision, lr=1e-3)))
+    (d / "config.yaml").write_text(yaml.safe_dump(dict(fmt=fmt, max_steps=steps, seed=seed,
+                                                       precision=precision, lr=1e-3)))
     return d
 
 # %% ../nbs/33_testing.ipynb #29a00011
@@ -41,6 +46,7 @@ SYN_LAYERS = ["transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc", "transf
 _SYN_LINEAR = SYN_LAYERS + ["transformer.h.1.attn.c_proj"]   # the 4th stays in high precision
 _N_RBINS = 48                                                 # len(altgrad.grid.R_EDGES) - 1
 
+# %% ../nbs/33_testing.ipynb #0b5f4b94
 def _syn_mechanism(s: int, layers: list[str], on_grid: bool, kahan: bool) -> dict:
     "Update-mechanism metrics of synthetic step `s`: simple functions of the step and the layer index."
     r = {}
@@ -56,7 +62,9 @@ def _syn_mechanism(s: int, layers: list[str], on_grid: bool, kahan: bool) -> dic
     r["stall/total"] = 0.3
     return r
 
-def _syn_record(s: int, rng, fmt, shadow: bool, cos, divergence_at, lost_update, mechanism: bool, on_grid: bool, kahan: bool) -> dict:
+# %% ../nbs/33_testing.ipynb #561a0f08
+def _syn_record(s: int, rng, fmt, shadow: bool, cos, divergence_at, lost_update, mechanism: bool, on_grid: bool,
+                kahan: bool) -> dict:
     "One synthetic step's metrics (before NaN and validation)."
     loss = 8.0 * math.exp(-s / 30) + 3 + 0.05 * rng.standard_normal()
     r = {"step": s, "train/loss": loss, "train/lr": 1e-3, "perf/tokens_per_sec": 1000.0}
@@ -79,8 +87,10 @@ def _syn_record(s: int, rng, fmt, shadow: bool, cos, divergence_at, lost_update,
             for i, l in enumerate(SYN_LAYERS): r[f"grad_cos_sim/{l}.weight"] = q + 0.001 * (i - 1)
     return r
 
+# %% ../nbs/33_testing.ipynb #c32ba462
 def _syn_histograms(rng, steps: int, mechanism: bool) -> dict:
-    h = {str(s): {l: {t: rng.integers(0, 50, 256).tolist() for t in "wag"} for l in SYN_LAYERS} for s in (1, steps // 2, steps)}
+    h = {str(s): {l: {t: rng.integers(0, 50, 256).tolist() for t in "wag"} for l in SYN_LAYERS}
+         for s in (1, steps // 2, steps)}
     if mechanism:
         for st in h.values():
             for l in SYN_LAYERS: st[l]["r"] = rng.integers(0, 50, _N_RBINS).tolist()
@@ -88,9 +98,9 @@ def _syn_histograms(rng, steps: int, mechanism: bool) -> dict:
 
 # %% ../nbs/33_testing.ipynb #29a00012
 def write_synthetic_run(d, steps: int = 50, nan_at: int | None = None, fmt: str | None = "E7M0", seed: int = 0, *,
-                        stop_at: int | None = None, val_factor: float = 1.0, cos: float | None = None, shadow: bool = True,
-                        divergence_at: int | None = None, lost_update: float | None = None, counts: bool = True,
-                        master_weights: str = "fp32", jsonl: bool = True, mechanism: bool = False,
+                        stop_at: int | None = None, val_factor: float = 1.0, cos: float | None = None,
+                        shadow: bool = True, divergence_at: int | None = None, lost_update: float | None = None,
+                        counts: bool = True, master_weights: str = "fp32", jsonl: bool = True, mechanism: bool = False,
                         weight_update: str = "nearest", optimizer: str = "adamw", lr_scale: float | None = None,
                         residual_dtype: str = "fp32", histograms: bool = True) -> Path:
     "Write a small fake run folder (metrics, alerts, summary, config, histograms) for tests and examples."
@@ -105,11 +115,14 @@ def write_synthetic_run(d, steps: int = 50, nan_at: int | None = None, fmt: str 
         if nan_at and s >= nan_at:
             r["train/loss"] = float("nan"); first_nan = first_nan or s
             r["nan/source"] = SYN_LAYERS[2]
-        if s % 10 == 0 or s == last_step: r["val/loss"] = (loss + 0.1) * val_factor; r["val/ppl"] = math.exp(r["val/loss"])
+        if s % 10 == 0 or s == last_step: r["val/loss"] = (loss
+                                                           + 0.1) * val_factor; r["val/ppl"] = math.exp(r["val/loss"])
         recs.append(r)
         if nan_at and s >= nan_at + 2: break
-    alerts = [dict(kind="intervention", level="WARN", title="partition-relative clipping", text=f"{SYN_LAYERS[2]}: overflow 5%", step=25)]
-    if first_nan: alerts.append(dict(kind="nan", level="ERROR", title="Non-finite loss", text=f"first non-finite gradient in {SYN_LAYERS[2]}", step=first_nan))
+    alerts = [dict(kind="intervention", level="WARN", title="partition-relative clipping",
+                   text=f"{SYN_LAYERS[2]}: overflow 5%", step=25)]
+    if first_nan: alerts.append(dict(kind="nan", level="ERROR", title="Non-finite loss",
+                                     text=f"first non-finite gradient in {SYN_LAYERS[2]}", step=first_nan))
     if jsonl:
         (d / METRICS_JSONL).write_text("".join(json.dumps(encode_json(r)) + "\n" for r in recs))
         (d / ALERTS_JSONL).write_text("".join(json.dumps(a) + "\n" for a in alerts))
@@ -122,20 +135,24 @@ def write_synthetic_run(d, steps: int = 50, nan_at: int | None = None, fmt: str 
         summary.update(linear_layers=len(_SYN_LINEAR), quantized_layers=len(q), quantized_layer_names=q)
     (d / "summary.json").write_text(json.dumps(summary))
     cfg = dict(fmt=fmt, max_steps=steps, seed=42, n_layer=2, preset="smoke", master_weights=master_weights)
-    if mechanism: cfg.update(weight_update=weight_update, optimizer=optimizer, lr_scale=lr_scale, residual_dtype=residual_dtype)
+    if mechanism: cfg.update(weight_update=weight_update, optimizer=optimizer, lr_scale=lr_scale,
+                             residual_dtype=residual_dtype)
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
     if fmt and histograms: (d / "histograms.json").write_text(json.dumps(_syn_histograms(rng, steps, mechanism)))
     return d
 
 # %% ../nbs/33_testing.ipynb #dd1a112f
-def fake_decisive_study(out, plan: StudyPlan, proto, loss, stall, unigram: float = 6.0, skip=lambda name: False) -> Path:
-    "Write a decisive study's `study_inputs.json` and every run folder its protocol reaches (in rounds, as the grids grow)."
+def fake_decisive_study(out, plan: StudyPlan, proto, loss, stall, unigram: float = 6.0,
+                        skip=lambda name: False) -> Path:
+    """Write a decisive study's `study_inputs.json` and every run folder its protocol reaches (in rounds, as the grids
+    grow)."""
     out = Path(out); losses = {}
     def write(sp):
         if skip(sp.name): return
         val = loss(sp.fmt, sp.rule or sp.precision, sp.lr_mult, sp.seed)
         write_fake_run(run_dir(out, sp.name), None if val is None else round(val, 6), fmt=sp.fmt, seed=sp.seed,
-                       pred_stall=stall(sp.fmt, sp.lr_mult) if sp.fmt else 0.5, update_ratio=0.4, precision=sp.precision or "auto")
+                       pred_stall=stall(sp.fmt, sp.lr_mult) if sp.fmt else 0.5, update_ratio=0.4,
+                       precision=sp.precision or "auto")
         losses[sp.name] = None if val is None else round(val, 6)
     for _ in range(proto.max_extensions + 2):
         for sp in decisive_lr_specs(plan, proto, bracket_grids(plan, proto, losses)):
@@ -143,8 +160,9 @@ def fake_decisive_study(out, plan: StudyPlan, proto, loss, stall, unigram: float
     choice = decisive_choice(bracket_grids(plan, proto, losses))
     if choice:
         for sp in decisive_seed_specs(plan, proto, choice["mults"]): write(sp)
-    inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram, vocab=dict(name="synthetic (no data)", size=None),
-                  lr_choice=json_safe(choice), analysis=ANALYSIS_SETTINGS, out=str(out.name),
-                  command=decisive_command(plan, proto, out.name), expectations=list(REQUIRED_EXPECTATIONS))
+    inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram,
+                  vocab=dict(name="synthetic (no data)", size=None), lr_choice=json_safe(choice),
+                  analysis=ANALYSIS_SETTINGS, out=str(out.name), command=decisive_command(plan, proto, out.name),
+                  expectations=list(REQUIRED_EXPECTATIONS))
     (out / INPUTS_FILE).write_text(json.dumps(json_safe(inputs), indent=1) + "\n")
     return out
