@@ -11,11 +11,13 @@ import matplotlib.pyplot as plt
 from .regimes import get_rule
 from .report import fmt_num
 from .runs import load_run, run_finished, final_loss
-from .stats import finite, mean_of, mean_ci, paired_benefit, recovered_fraction, t_crit, paired_test, holm, min_detectable_effect
+from .stats import (finite, mean_of, mean_ci, paired_benefit, recovered_fraction, t_crit, paired_test, holm,
+                           min_detectable_effect)
 from .law import law_text, law_fit, format_correlation
-from .study import (DECISIVE_RULES, RETIRED_DESIGN_COMMIT, CONTROL, UPPER, REF_PRECISIONS, REQUIRED_EXPECTATIONS, INPUTS_FILE,
-                           ANALYSIS_SETTINGS, StudyPlan, RunSpec, format_spec, run_dir, mult_label, model_inputs, json_safe, join_names,
-                           Protocol, bracket_grids, decisive_lr_specs, decisive_seed_specs, decisive_choice)
+from .study import (DECISIVE_RULES, RETIRED_DESIGN_COMMIT, CONTROL, UPPER, REF_PRECISIONS, REQUIRED_EXPECTATIONS,
+                           INPUTS_FILE, ANALYSIS_SETTINGS, StudyPlan, RunSpec, format_spec, run_dir, mult_label,
+                           model_inputs, json_safe, join_names, Protocol, bracket_grids, decisive_lr_specs,
+                           decisive_seed_specs, decisive_choice)
 
 # %% auto #0
 __all__ = ['MECH_KEYS', 'MECH_ALL', 'STUDY_COLUMNS', 'grid_aware_rules', 'mechanism_of', 'run_record', 'pm', 'recovered_text',
@@ -30,13 +32,15 @@ MECH_KEYS = {"pred_stall": "pred_stall/total", "update_ratio": "update_ratio/tot
              "rho": "rho/total", "lost_update": "lost_update/total", "flip_back": "flip_back/total",
              "zero_frac": "zero_frac/total"}
 MECH_ALL = tuple(MECH_KEYS) + tuple(k + "_post" for k in MECH_KEYS)
-STUDY_COLUMNS = ("val/loss", *MECH_KEYS.values())    # every per-step column a decisive study's answer reads (`step` aside):
-                                                     # what `altgrad.runs.write_dataset(out, keep=STUDY_COLUMNS)` keeps
+# every per-step column a decisive study's answer reads (`step` aside):
+# what `altgrad.runs.write_dataset(out, keep=STUDY_COLUMNS)` keeps
+STUDY_COLUMNS = ("val/loss", *MECH_KEYS.values())
 
 def grid_aware_rules(rules) -> list[str]:
     "The grid-aware regimes among `rules`: all but the control and the upper bound."
     return [r for r in rules if r not in (CONTROL, UPPER)]
 
+# %% ../nbs/35_answer.ipynb #35a00005-mechanism-of
 def mechanism_of(run) -> dict:
     """The run's mechanism numbers: mean over steps of each rate, median over steps of `update_ratio/total` (None if not
     logged); the same over the steps after warmup as `<key>_post`."""
@@ -51,8 +55,9 @@ def mechanism_of(run) -> dict:
 # %% ../nbs/35_answer.ipynb #9839270b
 def run_record(spec: RunSpec, run) -> dict:
     "The numbers of one run for `study.json` (`missing: True` when its folder is not there or incomplete)."
-    rec = dict(name=spec.name, dir=f"runs/{spec.name}", phase=spec.phase, seed=spec.seed, fmt=spec.fmt, rule=spec.rule or spec.precision,
-               lr_mult=spec.lr_mult, kind="reference" if spec.fmt is None else "format")
+    rec = dict(name=spec.name, dir=f"runs/{spec.name}", phase=spec.phase, seed=spec.seed, fmt=spec.fmt,
+               rule=spec.rule or spec.precision, lr_mult=spec.lr_mult,
+               kind="reference" if spec.fmt is None else "format")
     if run is None: return {**rec, "missing": True}
     s, cfg = run.summary, run.config
     done, final, mx, why = run_finished(run)
@@ -70,6 +75,7 @@ def pm(c: dict | None, spec: str = ".4f", pct: bool = False, total: int | None =
     return (f(c["mean"]) + (f" ± {f(c['half'])}" if c.get("half") is not None else " (no interval)")
             + (f" (n={c['n']})" if total is not None and c.get("n") is not None and c["n"] < total else ""))
 
+# %% ../nbs/35_answer.ipynb #35a00013-recovered-text
 def recovered_text(rf: dict | None) -> str:
     "`79% [60% to 95%]` (Fieller), 'gap not resolved', or an em dash."
     if not rf or rf.get("mean") is None: return "—"
@@ -77,22 +83,27 @@ def recovered_text(rf: dict | None) -> str:
     g = rf.get("gap") or {}
     return "no gap: nearest beats FP32 masters" if g.get("hi") is not None and g["hi"] < 0 else "gap not resolved"
 
+# %% ../nbs/35_answer.ipynb #35a00013-recovered-text-ci-text
 def ci_text(c: dict, spec: str = ".3f", pct: bool = False) -> str:
     "`95% CI lo to hi`, or 'no interval'."
     f = (lambda v: f"{v:.0%}") if pct else (lambda v: format(v, spec))
     return f"95% CI {f(c['lo'])} to {f(c['hi'])}" if c.get("lo") is not None else "no interval"
 
+# %% ../nbs/35_answer.ipynb #35a00013-recovered-text-ci-text-rule-label
 def rule_label(r: str) -> str:
     "The registry's label of regime `r`."
     return get_rule(r).label
 
+# %% ../nbs/35_answer.ipynb #35a00013-recovered-text-ci-text-rule-label-model-text
 def model_text(cfg: dict) -> str:
     "`4 layers × 128 wide, context 64, batch 6`."
-    return f"{cfg.get('n_layer')} layers × {cfg.get('n_embd')} wide, context {cfg.get('block_size')}, batch {cfg.get('batch_size')}"
+    return (f"{cfg.get('n_layer')} layers × {cfg.get('n_embd')} wide, context {cfg.get('block_size')}, batch "
+            f"{cfg.get('batch_size')}")
 
 # %% ../nbs/35_answer.ipynb #35a00023
 def save_figure(fig, path: Path) -> str:
-    "Save `fig` to `path` (no software tag, so the bytes depend on the figure only) and close it; returns `figures/<name>`."
+    """Save `fig` to `path` (no software tag, so the bytes depend on the figure only) and close it;
+    returns `figures/<name>`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, metadata={"Software": None}); plt.close(fig)
     return f"figures/{path.name}"
@@ -101,11 +112,15 @@ def save_figure(fig, path: Path) -> str:
 # %% ../nbs/35_answer.ipynb #35a00027
 def regenerate_section(inputs: dict) -> list[str]:
     "The commands that train (or reuse) the study and that rewrite this folder from the committed runs."
-    return ["", "## Regenerate", "", "Train (or reuse) every run and write this folder (a finished run is reused only when its resolved config "
-            "matches; `--shard i/n` on n processes or machines, then `--collect`, splits the work):", "", "```", inputs["command"], "```", "",
-            "CPU matmuls round differently with a different thread count (`OMP_NUM_THREADS`), so a *retrained* run matches a committed one "
-            "only to within that rounding noise; the exact regeneration is the report from the committed runs.", "",
-            "Rewrite `answer.md`, `study.json` and the figures from the committed run folders alone (no data, no training):", "",
+    return ["", "## Regenerate", "",
+            "Train (or reuse) every run and write this folder (a finished run is reused only when its resolved config "
+            "matches; `--shard i/n` on n processes or machines, then `--collect`, splits the work):", "", "```",
+            inputs["command"], "```", "",
+            "CPU matmuls round differently with a different thread count (`OMP_NUM_THREADS`), so a *retrained* run "
+            "matches a committed one only to within that rounding noise; the exact regeneration is the report from the "
+            "committed runs.", "",
+            "Rewrite `answer.md`, `study.json` and the figures from the committed run folders alone (no data, no "
+            "training):", "",
             "```", f"altgrad-study --out {inputs['out']} --report-only", "```", ""]
 
 # %% ../nbs/35_answer.ipynb #35h893ad
@@ -117,8 +132,10 @@ def _decisive_specs(plan: StudyPlan, proto, grids: dict, choice: dict | None) ->
     "(tuning specs of the grids, held-out specs of the choice or [])."
     return decisive_lr_specs(plan, proto, grids), (decisive_seed_specs(plan, proto, choice["mults"]) if choice else [])
 
+# %% ../nbs/35_answer.ipynb #35h893ad-format-pairs
 def format_pairs(plan: StudyPlan, L: dict, conf: float = 0.95) -> dict:
-    "Per regime, every pair of formats paired by seed: d = L_a − L_b (> 0: b lower), t-test p and Holm's p within the regime."
+    """Per regime, every pair of formats paired by seed: d = L_a − L_b (> 0: b lower), t-test p and
+    Holm's p within the regime."""
     out = {}
     for r in plan.rules:
         fam = {f"{a} vs {b}": dict(paired_test(L[a][r], L[b][r], conf), a=a, b=b)
@@ -129,7 +146,8 @@ def format_pairs(plan: StudyPlan, L: dict, conf: float = 0.95) -> dict:
 
 # %% ../nbs/35_answer.ipynb #102b1941
 def law_points(plan: StudyPlan, proto, recs: dict, grids: dict) -> dict:
-    "The law's points from the tuning runs: per quantity (`fp32`: the gap, each grid rule: its benefit), one point per format × multiplier."
+    """The law's points from the tuning runs: per quantity (`fp32`: the gap, each grid rule: its benefit), one
+    point per format × multiplier."""
     pts = {r: [] for r in plan.rules if r != CONTROL}
     for f in plan.formats:
         for m in grids[CONTROL]["mults"]:
@@ -149,7 +167,8 @@ def decisive_expectations(st: dict, expectations) -> list[str]:
     out = []
     for e in expectations:
         f, claim = e["fmt"], e["claim"]
-        if f not in st["plan"]["formats"]: out.append(f"{f} was not in this study, so the expectation about it was not tested."); continue
+        if f not in st["plan"]["formats"]:
+            out.append(f"{f} was not in this study, so the expectation about it was not tested."); continue
         if claim == "fails": out.append(_expect_fails_paired(st, f))
         elif claim == "best": out.append(_expect_best_paired(st, f))
         else: raise ValueError(f"[altgrad] unknown expectation claim {claim!r}; valid claims: fails, best")
@@ -157,32 +176,39 @@ def decisive_expectations(st: dict, expectations) -> list[str]:
 
 # %% ../nbs/35_answer.ipynb #eb9a73e4
 def _expect_fails_paired(st: dict, f: str) -> str:
-    "E.g. E7M0 fails outright: under FP32 master weights and nearest every held-out run failed or ended resolved above the unigram loss."
+    """E.g. E7M0 fails outright: under FP32 master weights and nearest every held-out run failed or ended
+    resolved above the unigram loss."""
     parts, fails = [], []
     for r in (UPPER, CONTROL):
         c = st["cells"][f][r]; ex = c["above_unigram"]
         nf = len(c["failed"]); ok = nf == c["n_seeds"] or (ex.get("lo") is not None and ex["lo"] > 0)
         fails.append(ok)
-        parts.append(f"{rule_label(r)}: {nf} of {c['n_seeds']} runs stopped at a NaN, final loss − unigram {pm(ex, '.3f')} ({ci_text(ex)})")
-    head = (f"As the requirements expected, {f} fails outright" if all(fails) else f"{f} fails outright under one regime only" if any(fails)
+        parts.append(f"{rule_label(r)}: {nf} of {c['n_seeds']} runs stopped at a NaN, final loss − unigram "
+                     f"{pm(ex, '.3f')} ({ci_text(ex)})")
+    head = (f"As the requirements expected, {f} fails outright" if all(fails)
+            else f"{f} fails outright under one regime only" if any(fails)
             else f"Contrary to the requirements' expectation, {f} does not fail outright")
     crit = "(failing outright: every run stops at a NaN, or the final loss is resolved above the unigram baseline)"
     return f"{head} {crit}: " + "; ".join(parts) + "."
 
 # %% ../nbs/35_answer.ipynb #eea05891
 def _expect_best_paired(st: dict, f: str) -> str:
-    "E.g. E5M2 is best: paired by seed against every other format (Holm within the regime), under FP32 master weights and nearest."
+    """E.g. E5M2 is best: paired by seed against every other format (Holm within the regime), under FP32
+    master weights and nearest."""
     parts, verdicts = [], []
     for r in (UPPER, CONTROL):
         rows = [(k, v) for k, v in st["format_pairs"][r].items() if f in (v["a"], v["b"])]
-        worse = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_SETTINGS["alpha"]
+        worse = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows
+                 if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_SETTINGS["alpha"]
                  and ((v["mean"] > 0) == (v["b"] == f))]
-        better = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_SETTINGS["alpha"]
+        better = [(v["a"] if v["b"] == f else v["b"]) for k, v in rows
+                  if v.get("p_holm") is not None and v["p_holm"] < ANALYSIS_SETTINGS["alpha"]
                   and ((v["mean"] > 0) != (v["b"] == f))]
         n = len(rows)
         verdicts.append("contra" if better else "agree" if len(worse) == n else "open")
         parts.append(f"{rule_label(r)}: resolved better than {len(worse)} of {n} formats"
-                     + (f", resolved worse than {', '.join(better)}" if better else "") + f" (paired, Holm-adjusted p < {ANALYSIS_SETTINGS['alpha']})")
+                     + (f", resolved worse than {', '.join(better)}" if better else "")
+                     + f" (paired, Holm-adjusted p < {ANALYSIS_SETTINGS['alpha']})")
     head = (f"The data contradicts the requirements' expectation that {f} is best" if "contra" in verdicts else
             f"The data confirms the requirements' expectation that {f} is best" if set(verdicts) == {"agree"} else
             f"The data neither confirms nor contradicts the requirements' expectation that {f} is best")
@@ -190,23 +216,27 @@ def _expect_best_paired(st: dict, f: str) -> str:
 
 # %% ../nbs/35_answer.ipynb #35h8ff1c
 def grid_family(plan: StudyPlan) -> list[tuple[str, str]]:
-    "The planned (format, grid rule) cells: the family of the benefit tests, of their detectable effect and of the headline's m."
+    """The planned (format, grid rule) cells: the family of the benefit tests, of their detectable
+    effect and of the headline's m."""
     return [(f, r) for f in plan.formats for r in grid_aware_rules(plan.rules)]
 
 # %% ../nbs/35_answer.ipynb #b8a82da2
 def decisive_cells(plan: StudyPlan, proto, recs: dict, held: list, unigram, conf: float = 0.95) -> tuple[dict, dict]:
     "(`{fmt: {rule: cell}}` over the held-out specs `held`, `{fmt: {rule: {seed: loss}}}`)."
-    L = {f: {r: _losses(recs, [s for s in held if (s.fmt, s.rule) == (f, r)]) for r in plan.rules} for f in plan.formats}
+    L = {f: {r: _losses(recs, [s for s in held if (s.fmt, s.rule) == (f, r)]) for r in plan.rules}
+         for f in plan.formats}
     cells = {}
     for f in plan.formats:
         cells[f] = {}
         for r in plan.rules:
             sp = [s for s in held if (s.fmt, s.rule) == (f, r)]
-            c = dict(fmt=f, rule=r, lr_mult=sp[0].lr_mult if sp else None, runs=[f"runs/{s.name}" for s in sp], losses=L[f][r],
-                     loss=mean_ci(L[f][r].values(), conf), n_seeds=len(proto.heldout_seeds),
-                     failed=[s.name for s in sp if not recs[s.name]["missing"] and recs[s.name].get("final_val_loss") is None],
+            c = dict(fmt=f, rule=r, lr_mult=sp[0].lr_mult if sp else None, runs=[f"runs/{s.name}" for s in sp],
+                     losses=L[f][r], loss=mean_ci(L[f][r].values(), conf), n_seeds=len(proto.heldout_seeds),
+                     failed=[s.name for s in sp if not recs[s.name]["missing"]
+                             and recs[s.name].get("final_val_loss") is None],
                      missing=[s.name for s in sp if recs[s.name]["missing"]],
-                     above_unigram=mean_ci([v - unigram for v in L[f][r].values() if finite(v)] if finite(unigram) else [], conf),
+                     above_unigram=mean_ci([v - unigram for v in L[f][r].values() if finite(v)] if finite(unigram)
+                                           else [], conf),
                      mechanism={k: mean_of((recs[s.name].get("mechanism") or {}).get(k) for s in sp) for k in MECH_ALL})
             if r != CONTROL: c["benefit"] = paired_test(L[f][CONTROL], L[f][r], conf)
             if r not in (CONTROL, UPPER): c["recovered"] = recovered_fraction(L[f][CONTROL], L[f][r], L[f][UPPER], conf)
@@ -232,14 +262,15 @@ def decisive_mde(plan: StudyPlan, cells: dict, pairs: dict, n: int) -> dict:
                     mde_family=min_detectable_effect(sd, n, power, alpha / max(m, 1)))
     return dict(n=n, power=power, alpha=alpha, benefit=one(sd_b, m_b), formats=one(sd_f, m_f))
 
+# %% ../nbs/35_answer.ipynb #85561e64-no-none
 def _no_none(d):
     "A record without its None entries (nested dicts too): the decisive study.json stays small."
     return {k: _no_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
 
 # %% ../nbs/35_answer.ipynb #35f045c0
 def headline_record(cells: dict, head, grid_cells: list, m: int) -> dict | None:
-    """The headline cell (largest mean benefit of the m grid-rule cells) with a simultaneous interval (Bonferroni: each of
-    the m intervals at 1 − 0.05/m, so all m cover together with 95%; the largest of m means is biased upward by its
+    """The headline cell (largest mean benefit of the m grid-rule cells) with a simultaneous interval (Bonferroni: each
+    of the m intervals at 1 − 0.05/m, so all m cover together with 95%; the largest of m means is biased upward by its
     selection, and this interval is the honest one for it), and every cell that Holm's correction resolves. `m` is the
     planned number of cells (the same m as the family-wise detectable effect; a cell without runs still counts)."""
     if head is None: return None
@@ -249,41 +280,53 @@ def headline_record(cells: dict, head, grid_cells: list, m: int) -> dict | None:
     if b.get("sd") is not None and b.get("n", 0) >= 2:
         h = t_crit(b["n"] - 1, 1 - alpha / m) * b["sd"] / math.sqrt(b["n"])
         sim.update(lo=b["mean"] - h, hi=b["mean"] + h)
-    res = [f"{f}/{r}" for f, r in grid_cells if (cells[f][r]["benefit"].get("p_holm") or 1) < alpha and cells[f][r]["benefit"]["mean"] > 0]
+    res = [f"{f}/{r}" for f, r in grid_cells if (cells[f][r]["benefit"].get("p_holm") or 1) < alpha
+           and cells[f][r]["benefit"]["mean"] > 0]
     return dict(fmt=head[0], rule=head[1], m=m, simultaneous=sim, resolved=res)
 
 # %% ../nbs/35_answer.ipynb #117f5ff1
-def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: dict | None, unigram, conf: float = 0.95) -> dict:
+def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: dict | None, unigram,
+                     conf: float = 0.95) -> dict:
     "Every number of a decisive study's write-up from `{run name: Run or None}` (`study.json`'s content)."
     tune, held = _decisive_specs(plan, proto, grids, choice)
     recs = {sp.name: run_record(sp, runs.get(sp.name)) for sp in tune + held}
     missing = [n for n, x in recs.items() if x["missing"]]
     pending = [r for r, g in grids.items() if g["status"] == "pending"]
-    done = not missing and not pending and choice is not None          # an incomplete study computes no statistic: it claims nothing
+    # an incomplete study computes no statistic: it claims nothing
+    done = not missing and not pending and choice is not None
     cells, L = decisive_cells(plan, proto, recs, held, unigram, conf) if done else ({}, {})
     pairs = format_pairs(plan, L, conf) if done else {}
     pts = law_points(plan, proto, recs, grids) if done else {}
     law = {r: dict(law_fit(p, increasing=True), points=p) for r, p in pts.items()}
-    law_r = {r: law_fit([dict(q, x=q["r"]) for q in p], increasing=False) for r, p in pts.items()}    # the same against median r
-    corr = {r: format_correlation({f: (cells[f][CONTROL]["mechanism"].get("pred_stall"), cells[f][r]["benefit"]["mean"]) for f in plan.formats})
+    # the same against median r
+    law_r = {r: law_fit([dict(q, x=q["r"]) for q in p], increasing=False) for r, p in pts.items()}
+    corr = {r: format_correlation({f: (cells[f][CONTROL]["mechanism"].get("pred_stall"),
+                                       cells[f][r]["benefit"]["mean"]) for f in plan.formats})
             for r in plan.rules if r != CONTROL} if done else {}
-    grid_cells = [(f, r) for f, r in grid_family(plan) if cells.get(f, {}).get(r, {}).get("benefit", {}).get("mean") is not None]
+    grid_cells = [(f, r) for f, r in grid_family(plan)
+                  if cells.get(f, {}).get(r, {}).get("benefit", {}).get("mean") is not None]
     head = max(grid_cells, key=lambda fr: cells[fr[0]][fr[1]]["benefit"]["mean"]) if grid_cells else None
     vocab = next((runs[s.name].summary.get("vocab") for s in held + tune if runs.get(s.name) is not None
                   and runs[s.name].summary.get("vocab")), None)
-    refs = {p: mean_ci(_losses(recs, [s for s in held if s.fmt is None and s.precision == p]).values(), conf) for p in REF_PRECISIONS} if done else {}
-    split = next((runs[s.name].summary.get("compute_split") for s in held + tune if s.fmt and runs.get(s.name) is not None
+    refs = {p: mean_ci(_losses(recs, [s for s in held if s.fmt is None and s.precision == p]).values(), conf)
+            for p in REF_PRECISIONS} if done else {}
+    split = next((runs[s.name].summary.get("compute_split") for s in held + tune
+                  if s.fmt and runs.get(s.name) is not None
                   and runs[s.name].summary.get("compute_split")), None)     # the same model in every 8-bit run
-    seconds = {ph: math.fsum(x.get("seconds") or 0.0 for x in recs.values() if x["phase"] == ph) for ph in ("lr", "seeds")}
+    seconds = {ph: math.fsum(x.get("seconds") or 0.0 for x in recs.values() if x["phase"] == ph)
+               for ph in ("lr", "seeds")}
     return json_safe(dict(
         design="decisive", protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram, conf=conf,
         complete=done, missing=missing, pending_rules=pending,
         missing_by_phase={ph: [n for n in missing if recs[n]["phase"] == ph] for ph in ("lr", "seeds")},
         failed=[n for n, x in recs.items() if not x["missing"] and x.get("final_val_loss") is None],
-        lr_choice=dict(grids={r: dict(mults=g["mults"], status=g["status"], mult=g["mult"], table=g["table"]) for r, g in grids.items()},
+        lr_choice=dict(grids={r: dict(mults=g["mults"], status=g["status"], mult=g["mult"], table=g["table"])
+                              for r, g in grids.items()},
                        mults=choice["mults"] if choice else None, rule=proto.choice_rule),
-        cells=cells, format_pairs=pairs, mde=decisive_mde(plan, cells, pairs, len(proto.heldout_seeds)) if done else None,
-        references=refs, compute_split=split, law=law, law_r={r: {k: v for k, v in x.items() if k != 'fit'} for r, x in law_r.items()}, correlation=corr,
+        cells=cells, format_pairs=pairs,
+        mde=decisive_mde(plan, cells, pairs, len(proto.heldout_seeds)) if done else None,
+        references=refs, compute_split=split, law=law,
+        law_r={r: {k: v for k, v in x.items() if k != 'fit'} for r, x in law_r.items()}, correlation=corr,
         headline=headline_record(cells, head, grid_cells, len(grid_family(plan))),
         vocab=vocab,
         devices=sorted({x.get("device") for x in recs.values() if x.get("device")}),
@@ -294,69 +337,83 @@ def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: di
 def incomplete_text(st: dict) -> str:
     "What an incomplete decisive study lacks (it claims nothing)."
     mp, tot = st["missing_by_phase"], st["runs"]
-    parts = [f"{len(mp['lr'])} of {sum(1 for x in tot.values() if x['phase'] == 'lr')} tuning runs ({join_names(mp['lr'], 4)})" if mp["lr"] else None,
-             f"{len(mp['seeds'])} of {sum(1 for x in tot.values() if x['phase'] == 'seeds')} held-out runs ({join_names(mp['seeds'], 4)})" if mp["seeds"] else None,
-             f"the learning-rate choice of {', '.join(st['pending_rules'])} (its tuning runs are not all there), so the held-out runs "
-             "are not even planned yet" if st["pending_rules"] else None]
-    return ("**Answer.** None: the study is incomplete, so it claims nothing. Missing: " + "; ".join(p for p in parts if p)
+    parts = [f"{len(mp['lr'])} of {sum(1 for x in tot.values() if x['phase'] == 'lr')} tuning runs "
+             f"({join_names(mp['lr'], 4)})" if mp["lr"] else None,
+             f"{len(mp['seeds'])} of {sum(1 for x in tot.values() if x['phase'] == 'seeds')} held-out runs "
+             f"({join_names(mp['seeds'], 4)})" if mp["seeds"] else None,
+             f"the learning-rate choice of {', '.join(st['pending_rules'])} (its tuning runs are not all there), so "
+             f"the held-out runs are not even planned yet" if st["pending_rules"] else None]
+    return ("**Answer.** None: the study is incomplete, so it claims nothing. Missing: "
+            + "; ".join(p for p in parts if p)
             + ". Rerun the study's command (below) to train what is missing; finished runs are reused.")
 
+# %% ../nbs/35_answer.ipynb #35h8ec3d-law-clause
 def law_clause(st: dict, r: str) -> str:
     "Why, in one clause: the law of rule `r`'s benefit (R², LOFO, one curve or not)."
     L = st["law"].get(r) or {}
     if L.get("r2") is None: return "the law could not be fitted"
-    return (f"one increasing curve fitted through all {L['n']} format × rate points of its benefit against nearest's predicted stall "
-            f"has R² = {L['r2']:.2f} in sample and {fmt_num(L.get('r2_lofo'), '.2f')} out of sample (each format predicted from the "
-            f"others; RMSE {L['lofo_rmse']:.3f} nats): "
-            + ("the stall mechanism explains it" if L["one_curve"] else "the points do not fall on one curve, so the stall alone does not explain it"))
+    return (f"one increasing curve fitted through all {L['n']} format × rate points of its benefit against nearest's "
+            f"predicted stall has R² = {L['r2']:.2f} in sample and {fmt_num(L.get('r2_lofo'), '.2f')} out of sample "
+            f"(each format predicted from the others; RMSE {L['lofo_rmse']:.3f} nats): "
+            + ("the stall mechanism explains it" if L["one_curve"]
+               else "the points do not fall on one curve, so the stall alone does not explain it"))
 
 # %% ../nbs/35_answer.ipynb #d920b9bd
 def decisive_paragraph(st: dict) -> str:
     "The first paragraph of a decisive study's `answer.md`."
-    sens = f"**Sensitivity run ({st['protocol']['sensitivity']}), not the protocol's answer.** " if st["protocol"].get("sensitivity") else ""
+    sens = (f"**Sensitivity run ({st['protocol']['sensitivity']}), not the protocol's answer.** "
+            if st["protocol"].get("sensitivity") else "")
     if not st["complete"]: return sens + incomplete_text(st)
     h, n = st["headline"], len(st["protocol"]["heldout_seeds"])
     if h is None: return sens + "**Answer.** Not available: the study has no grid-aware rule (use --rules)."
     f, r = h["fmt"], h["rule"]; b = st["cells"][f][r]["benefit"]; mde = st["mde"]["benefit"]
-    resolved = f"{f}/{r}" in h.get("resolved", [])              # Holm's p < alpha and a positive mean (`headline_record`)
+    resolved = f"{f}/{r}" in h.get("resolved", [])            # Holm's p < alpha and a positive mean (`headline_record`)
     sim = h.get("simultaneous") or {}
-    simtext = (f"; {sim['lo']:.3f} to {sim['hi']:.3f} as a simultaneous {1 - ANALYSIS_SETTINGS['alpha']:.0%} interval over all {h['m']} format × rule cells "
-               f"(Bonferroni, each at {sim['conf']:.2%})"
+    simtext = (f"; {sim['lo']:.3f} to {sim['hi']:.3f} as a simultaneous {1 - ANALYSIS_SETTINGS['alpha']:.0%} interval "
+               f"over all {h['m']} format × rule cells (Bonferroni, each at {sim['conf']:.2%})"
                if sim.get("lo") is not None else "")
     others = [c for c in h.get("resolved", []) if c != f"{f}/{r}"]
     if b["mean"] <= 0:
-        return sens + (f"**Answer.** No grid-aware rule lowered the final validation loss on average; the least harmful is **{f}** with "
-                       f"**{rule_label(r)}**, {-b['mean']:.3f} nats *above* round-to-nearest ({ci_text(b)}, {b['n']} held-out seeds). "
-                       f"The law: {law_clause(st, r)}.")
+        return sens + (f"**Answer.** No grid-aware rule lowered the final validation loss on average; the least "
+                       f"harmful is **{f}** with **{rule_label(r)}**, {-b['mean']:.3f} nats *above* round-to-nearest "
+                       f"({ci_text(b)}, {b['n']} held-out seeds). The law: {law_clause(st, r)}.")
     lead = (f"**Answer.** **{f}** benefits most, from **{rule_label(r)}**: " if resolved else
-            f"**Answer.** The largest mean benefit, **{f}** with **{rule_label(r)}**, is not resolved after Holm's correction"
+            f"**Answer.** The largest mean benefit, **{f}** with **{rule_label(r)}**, is not resolved after "
+            f"Holm's correction"
             + (f" (resolved: {', '.join(others)})" if others else "; no format × rule benefit is") + ": ")
-    S = [lead + f"{b['mean']:.3f} nats below round-to-nearest's final validation loss ({ci_text(b)}{simtext}; paired over "
-         f"{b['n']} held-out seeds, Holm-adjusted p = {fmt_num(b.get('p_holm'), '.2g')}; the largest of {h.get('m', '?')} cells, so its "
-         f"mean is biased upward by the choice). Why: {law_clause(st, r)}."]
+    S = [lead
+         + f"{b['mean']:.3f} nats below round-to-nearest's final validation loss ({ci_text(b)}{simtext}; paired over "
+         f"{b['n']} held-out seeds, Holm-adjusted p = {fmt_num(b.get('p_holm'), '.2g')}; the largest of "
+         f"{h.get('m', '?')} cells, so its mean is biased upward by the choice). Why: {law_clause(st, r)}."]
     if mde.get("mde") is not None:
         fm = st["mde"]["formats"]
-        S.append(f"With {n} held-out seeds (median paired SD {mde['sd']:.3f} nats) the smallest benefit detectable at {st['mde']['power']:.0%} power is "
-                 f"{mde['mde']:.3f} nats for one pre-specified comparison (α = {st['mde']['alpha']}) and {fmt_num(mde.get('mde_family'), '.3f')} nats "
-                 f"for a claim that survives Holm over the {mde.get('m')} cells (α = {st['mde']['alpha']}/{mde.get('m')}); between two formats "
-                 f"{fmt_num(fm.get('mde'), '.3f')} and {fmt_num(fm.get('mde_family'), '.3f')} nats (Holm over {fm.get('m')} pairs).")
+        S.append(f"With {n} held-out seeds (median paired SD {mde['sd']:.3f} nats) the smallest benefit detectable at "
+                 f"{st['mde']['power']:.0%} power is {mde['mde']:.3f} nats for one pre-specified comparison (α = "
+                 f"{st['mde']['alpha']}) and {fmt_num(mde.get('mde_family'), '.3f')} nats for a claim that survives "
+                 f"Holm over the {mde.get('m')} cells (α = {st['mde']['alpha']}/{mde.get('m')}); between two formats "
+                 f"{fmt_num(fm.get('mde'), '.3f')} and {fmt_num(fm.get('mde_family'), '.3f')} nats (Holm over "
+                 f"{fm.get('m')} pairs).")
     unb = [q for q, g in st["lr_choice"]["grids"].items() if g["status"] == "unbracketed"]
-    S.append("Every regime's learning rate is bracketed (its best multiplier, by the mean over all formats, is interior; one "
-             "multiplier serves every format of a regime, and a single format's own best may lie at an edge)." if not unb else
+    S.append("Every regime's learning rate is bracketed (its best multiplier, by the mean over all formats, is "
+             "interior; one multiplier serves every format of a regime, and a single format's own best may lie at an "
+             "edge)." if not unb else
              (f"The learning rate of {unb[0]} is unbracketed: its best multiplier is" if len(unb) == 1 else
               f"The learning rates of {', '.join(unb[:-1])} and {unb[-1]} are unbracketed: their best multipliers are")
-             + f" still at an edge after {st['protocol']['max_extensions']} extensions, so the optimum may lie beyond the grid.")
+             + f" still at an edge after {st['protocol']['max_extensions']} extensions, so the optimum may lie beyond "
+               f"the grid.")
     return sens + " ".join(S)
 
 # %% ../nbs/35_answer.ipynb #35h8f10d
 def pairs_section(st: dict) -> list[str]:
     "Every pair of formats per regime, paired by seed, with Holm's adjustment within the regime."
     L = ["", "## Formats against each other (paired by seed)", "",
-         "d = L_a − L_b over the held-out seeds (> 0: b has the lower loss); p: paired t-test; Holm: adjusted within the regime's "
-         f"{len(next(iter(st['format_pairs'].values()), {}))} pairs.", "", "| regime | a vs b | d | 95% CI | p | Holm p |", "|---|---|---|---|---|---|"]
+         "d = L_a − L_b over the held-out seeds (> 0: b has the lower loss); p: paired t-test; Holm: adjusted within "
+         f"the regime's {len(next(iter(st['format_pairs'].values()), {}))} pairs.", "",
+         "| regime | a vs b | d | 95% CI | p | Holm p |", "|---|---|---|---|---|---|"]
     for r, fam in st["format_pairs"].items():
         for k, v in fam.items():
-            L.append(f"| {r} | {k} | {fmt_num(v.get('mean'), '+.4f')} | {ci_text(v, '.4f').replace('95% CI ', '')} | {fmt_num(v.get('p'), '.2g')} | {fmt_num(v.get('p_holm'), '.2g')} |")
+            L.append(f"| {r} | {k} | {fmt_num(v.get('mean'), '+.4f')} | {ci_text(v, '.4f').replace('95% CI ', '')} | "
+                     f"{fmt_num(v.get('p'), '.2g')} | {fmt_num(v.get('p_holm'), '.2g')} |")
     return L
 
 # %% ../nbs/35_answer.ipynb #3fda81f7
@@ -364,48 +421,59 @@ def decisive_results_section(st: dict) -> list[str]:
     "The table of every format × regime cell over the held-out seeds."
     seeds = st["protocol"]["heldout_seeds"]
     L = ["## Results per format × rule (held-out seeds)", "",
-         f"Mean ± half-width of the 95% t-interval over the held-out seeds {', '.join(map(str, seeds))}. **Benefit**: L_nearest − L_rule "
-         "paired by seed (for FP32 master weights: the master-weight gap); Holm: adjusted over the grid rules' family (the gap is "
-         "its own family). **Recovered**: benefit / gap with Fieller's interval.", "",
-         "| format | rule | lr × | final val loss | benefit vs nearest | Holm p | recovered | finished |", "|---|---|---|---|---|---|---|---|"]
+         f"Mean ± half-width of the 95% t-interval over the held-out seeds {', '.join(map(str, seeds))}. **Benefit**: "
+         f"L_nearest − L_rule paired by seed (for FP32 master weights: the master-weight gap); Holm: adjusted over the "
+         f"grid rules' family (the gap is its own family). **Recovered**: benefit / gap with Fieller's interval.", "",
+         "| format | rule | lr × | final val loss | benefit vs nearest | Holm p | recovered | finished |",
+         "|---|---|---|---|---|---|---|---|"]
     for f, per in st["cells"].items():
         for r, c in per.items():
             b = c.get("benefit")
             L.append(f"| {f} | {r} | {fmt_num(c['lr_mult'] and mult_label(c['lr_mult']))} | {pm(c['loss'])} | "
-                     f"{pm(b, '.4f', total=len(seeds)) if b else 'control'} | {fmt_num(b.get('p_holm'), '.2g') if b else '—'} | "
-                     f"{recovered_text(c.get('recovered')) if c.get('recovered') else '—'} | {c['loss']['n']}/{len(seeds)} |")
+                     f"{pm(b, '.4f', total=len(seeds)) if b else 'control'} | "
+                     f"{fmt_num(b.get('p_holm'), '.2g') if b else '—'} | "
+                     f"{recovered_text(c.get('recovered')) if c.get('recovered') else '—'} | "
+                     f"{c['loss']['n']}/{len(seeds)} |")
     return L
 
 # %% ../nbs/35_answer.ipynb #e9edda59
 def law_section(st: dict) -> list[str]:
     "The law per quantity (gap and each rule's benefit) and the rank correlations across formats."
     L = ["", "## The mechanism as a law", "",
-         "One point per format × learning-rate multiplier from the tuning seeds' runs: x = nearest's predicted stall (share of updates "
-         "below half a grid step), y = the paired difference to nearest at the same multiplier. One isotonic (monotone increasing) "
-         "curve through all points; R² and the leave-one-format-out (LOFO) error.", "",
+         "One point per format × learning-rate multiplier from the tuning seeds' runs: x = nearest's predicted stall "
+         "(share of updates below half a grid step), y = the paired difference to nearest at the same multiplier. One "
+         "isotonic (monotone increasing) curve through all points; R² and the leave-one-format-out (LOFO) error.", "",
          "| quantity | points | R² | LOFO RMSE | LOFO / SD | one curve |", "|---|---|---|---|---|---|"]
     name = lambda r: "master-weight gap (fp32)" if r == UPPER else f"benefit of {r}"
     for r, x in st["law"].items():
-        L.append(f"| {name(r)} | {x['n']} | {fmt_num(x['r2'], '.2f')} | {fmt_num(x['lofo_rmse'], '.4f')} | {fmt_num(x['lofo_rel'], '.2f')} | "
+        L.append(f"| {name(r)} | {x['n']} | {fmt_num(x['r2'], '.2f')} | {fmt_num(x['lofo_rmse'], '.4f')} | "
+                 f"{fmt_num(x['lofo_rel'], '.2f')} | "
                  f"{'—' if x['one_curve'] is None else 'yes' if x['one_curve'] else 'no'} |")
     for r, x in st.get("law_r", {}).items():
-        L.append(f"| {name(r)} against median r (decreasing) | {x['n']} | {fmt_num(x['r2'], '.2f')} | {fmt_num(x['lofo_rmse'], '.4f')} | "
-                 f"{fmt_num(x['lofo_rel'], '.2f')} | {'—' if x['one_curve'] is None else 'yes' if x['one_curve'] else 'no'} |")
+        L.append(f"| {name(r)} against median r (decreasing) | {x['n']} | {fmt_num(x['r2'], '.2f')} | "
+                 f"{fmt_num(x['lofo_rmse'], '.4f')} | {fmt_num(x['lofo_rel'], '.2f')} | "
+                 f"{'—' if x['one_curve'] is None else 'yes' if x['one_curve'] else 'no'} |")
     L += [""] + [law_text(name(r), x) for r, x in st["law"].items()]
-    L += ["", "Across the formats (held-out seeds, each format at its regime's chosen multiplier, one per regime): Spearman ρ between nearest's predicted stall and "
+    L += ["", "Across the formats (held-out seeds, each format at its regime's chosen multiplier, one per regime): "
+              "Spearman ρ between nearest's predicted stall and "
           "the benefit, with the exact permutation p.", "", "| quantity | ρ | n | p |", "|---|---|---|---|"]
-    L += [f"| {name(r)} | {fmt_num(c.get('rho'), '.2f')} | {c.get('n')} | {fmt_num(c.get('p'), '.2g')} |" for r, c in st["correlation"].items()]
+    L += [f"| {name(r)} | {fmt_num(c.get('rho'), '.2f')} | {c.get('n')} | {fmt_num(c.get('p'), '.2g')} |"
+          for r, c in st["correlation"].items()]
     return L
 
 # %% ../nbs/35_answer.ipynb #380564d8
 def bracket_section(st: dict) -> list[str]:
     "Each regime's rate grid: mean tuning loss per multiplier (chosen in bold), its status."
-    L = ["", "## Learning rates (tuning seeds only)", "", f"Choice rule, fixed before the seed phase: {st['lr_choice']['rule']}.", "",
+    L = ["", "## Learning rates (tuning seeds only)", "",
+         f"Choice rule, fixed before the seed phase: {st['lr_choice']['rule']}.", "",
          "| regime | multipliers: mean tuning loss | chosen | status |", "|---|---|---|---|"]
     for r, g in st["lr_choice"]["grids"].items():
-        cells = [(f"**×{lab} {fmt_num(row['mean_loss'], '.4f')}**" if row["mult"] == g["mult"] else f"×{lab} {fmt_num(row['mean_loss'], '.4f')}")
-                 + (f" ({len(row['failed'])} failed)" if row["failed"] else "") for lab, row in sorted(g["table"].items(), key=lambda t: t[1]["mult"])]
-        L.append(f"| {r} | {', '.join(cells) or '—'} | {fmt_num(g['mult'] and mult_label(g['mult']))} | {g['status']} |")
+        cells = [(f"**×{lab} {fmt_num(row['mean_loss'], '.4f')}**" if row["mult"] == g["mult"]
+                  else f"×{lab} {fmt_num(row['mean_loss'], '.4f')}")
+                 + (f" ({len(row['failed'])} failed)" if row["failed"] else "")
+                 for lab, row in sorted(g["table"].items(), key=lambda t: t[1]["mult"])]
+        L.append(
+            f"| {r} | {', '.join(cells) or '—'} | {fmt_num(g['mult'] and mult_label(g['mult']))} | {g['status']} |")
     return L
 
 # %% ../nbs/35_answer.ipynb #35h88437
@@ -420,7 +488,8 @@ def plot_law(st: dict):
             ax.plot([p["x"] for p in P], [p["y"] for p in P], "o", ms=4, color=f"C{j}", label=f)
         if L.get("fit"): ax.plot(L["fit"]["x"], L["fit"]["y"], "k-", lw=1)
         ax.axhline(0, color="0.6", lw=0.6)
-        ax.set(xlabel="nearest's predicted stall", title=("gap (fp32)" if r == UPPER else r) + f"  R²={fmt_num(L.get('r2'), '.2f')}")
+        ax.set(xlabel="nearest's predicted stall", title=("gap (fp32)" if r == UPPER else r)
+               + f"  R²={fmt_num(L.get('r2'), '.2f')}")
     axs[0][0].set_ylabel("L_nearest − L_regime (nats)"); axs[0][0].legend(fontsize=7)
     fig.tight_layout(); return fig
 
@@ -431,8 +500,10 @@ def _reference_clause(st: dict) -> str:
     if ref.get("mean") is None or not finite(st.get("unigram")): return ""
     gap = st["unigram"] - ref["mean"]
     voc = (st.get("vocab") or {}).get("name")
-    return (f"; the FP32 reference ends {gap:.3f} nats below the unigram baseline on the same vocabulary" + (f" ({voc})" if voc else "")
-            + f" (the unigram cross-entropy of the whole validation split, {st['unigram']:.3f}; goal ≥ 1.0: {'met' if gap >= 1.0 else 'missed'})")
+    return (f"; the FP32 reference ends {gap:.3f} nats below the unigram baseline on the same vocabulary"
+            + (f" ({voc})" if voc else "")
+            + f" (the unigram cross-entropy of the whole validation split, {st['unigram']:.3f}; goal ≥ 1.0: "
+              f"{'met' if gap >= 1.0 else 'missed'})")
 
 # %% ../nbs/35_answer.ipynb #a613bead
 def decisive_protocol_section(st: dict, inputs: dict) -> list[str]:
@@ -440,20 +511,29 @@ def decisive_protocol_section(st: dict, inputs: dict) -> list[str]:
     plan, pr, cfg = st["plan"], st["protocol"], inputs.get("model", {})
     return ["", "## Protocol", "",
             f"- **Preset** `{plan['preset']}` ({model_text(cfg)}), {plan['steps']} steps per run; "
-            f"{fmt_num(inputs.get('num_params'), ',')} parameters, {fmt_num(inputs.get('grid_params'), ',')} of them on the 8-bit grid.",
-            f"- **Formats** {', '.join(plan['formats'])}; **regimes** {', '.join(f'`{r}` ({rule_label(r)})' for r in plan['rules'])}.",
-            f"- **Tuning seeds** {', '.join(map(str, pr['tuning_seeds']))} choose the learning-rate multiplier only; **held-out seeds** "
-            f"{', '.join(map(str, pr['heldout_seeds']))} give every statistic. The validation set is the same for every run, so every "
-            "comparison is paired by seed.",
-            f"- **Learning rates**: multipliers {', '.join('×' + mult_label(m) for m in pr['base_mults'])} of each regime's default, extended "
-            f"by ×{pr['extend_factor']:g} beyond an edge at most {pr['max_extensions']} times; choice rule: {pr['choice_rule']}.",
-            "- **References** per held-out seed: FP32 and BF16 autocast, nothing 8-bit, at FP32 master weights' multiplier"
+            f"{fmt_num(inputs.get('num_params'), ',')} parameters, {fmt_num(inputs.get('grid_params'), ',')} of them "
+            f"on the 8-bit grid.",
+            f"- **Formats** {', '.join(plan['formats'])}; **regimes** "
+            f"{', '.join(f'`{r}` ({rule_label(r)})' for r in plan['rules'])}.",
+            f"- **Tuning seeds** {', '.join(map(str, pr['tuning_seeds']))} choose the learning-rate multiplier only; "
+            f"**held-out seeds** {', '.join(map(str, pr['heldout_seeds']))} give every statistic. The validation set "
+            f"is the same for every run, so every comparison is paired by seed.",
+            f"- **Learning rates**: multipliers {', '.join('×' + mult_label(m) for m in pr['base_mults'])} of each "
+            f"regime's default, extended by ×{pr['extend_factor']:g} beyond an edge at most {pr['max_extensions']} "
+            f"times; choice rule: {pr['choice_rule']}.",
+            "- **References** per held-out seed: FP32 and BF16 autocast, nothing 8-bit, at FP32 master "
+            "weights' multiplier"
             + _reference_clause(st) + ".",
-            "- **What is 8-bit**: " + (f"{sp['param_share']:.0%} of the parameters and {sp['flop_share']:.0%} of the matmul FLOPs of a training "
-                                       "step (the run's `summary.json`, `compute_split`; goal ≥ 50% each)" if (sp := st.get("compute_split")) else
-                                       "the shares of parameters and FLOPs were not recorded in the runs' summaries") + ".",
-            f"- **Budget**: {st['budget']['runs']} runs, {st['budget']['total_seconds'] / 3600:.2f} h of training on {', '.join(st['devices']) or '?'}.",
-            "- **NaN policy**: a run stops at its first non-finite loss and counts as failed (left out of means, listed)."] + _protocol_extras(st, inputs)
+            "- **What is 8-bit**: "
+            + (f"{sp['param_share']:.0%} of the parameters and {sp['flop_share']:.0%} of the matmul FLOPs of a "
+               "training step (the run's `summary.json`, `compute_split`; goal ≥ 50% each)"
+               if (sp := st.get("compute_split")) else
+               "the shares of parameters and FLOPs were not recorded in the runs' summaries")
+            + ".",
+            f"- **Budget**: {st['budget']['runs']} runs, {st['budget']['total_seconds'] / 3600:.2f} h of training on "
+            f"{', '.join(st['devices']) or '?'}.",
+            "- **NaN policy**: a run stops at its first non-finite loss and counts as failed (left out of means, "
+            "listed)."] + _protocol_extras(st, inputs)
 
 # %% ../nbs/35_answer.ipynb #bb1be291
 def _protocol_extras(st: dict, inputs: dict) -> list[str]:
@@ -462,11 +542,16 @@ def _protocol_extras(st: dict, inputs: dict) -> list[str]:
     cov = (v.get("coverage") or {}).get("val")
     L = [f"- **Vocabulary**: {v['name']}" + (f", {v['size']:,} classes" if v.get("size") else "")
          + (f" ({cov:.1%} of validation tokens are not the catch-all class)" if cov else "")
-         + "; the loss and the unigram baseline are on it." if v.get("name") else "- **Vocabulary**: not recorded in the study's inputs."]
+         + "; the loss and the unigram baseline are on it." if v.get("name")
+         else "- **Vocabulary**: not recorded in the study's inputs."]
     an = inputs.get("analysis") or {}
-    if an: L += [f"- **Headline rule**: {an['headline']}.", f"- **Law**: {an['law']}.", f"- **Correlation**: {an['correlation']}."]
+    if an:
+        L += [f"- **Headline rule**: {an['headline']}.", f"- **Law**: {an['law']}.",
+              f"- **Correlation**: {an['correlation']}."]
     cut = [r for r in DECISIVE_RULES if r not in st["plan"]["rules"]]
-    if cut: L.append(f"- **Not run**: {', '.join(f'`{r}`' for r in cut)} of the default regimes (see the study's notes for why).")
+    if cut:
+        L.append(f"- **Not run**: {', '.join(f'`{r}`' for r in cut)} of the default regimes (see the study's notes for "
+                 f"why).")
     return L
 
 # %% ../nbs/35_answer.ipynb #792c5bef
@@ -474,16 +559,19 @@ def write_decisive_answer(out, st: dict, inputs: dict) -> Path:
     "Write `out/answer.md` and `out/study.json` of a decisive study from `decisive_analyze`'s result."
     out = Path(out)
     st = dict(st, answer=decisive_paragraph(st),
-              expectations=decisive_expectations(st, inputs.get("expectations", REQUIRED_EXPECTATIONS)) if st["complete"] else [])
+              expectations=decisive_expectations(st, inputs.get("expectations", REQUIRED_EXPECTATIONS))
+              if st["complete"] else [])
     L = ["# Which 8-bit format benefits most from grid-aware updates, and why", ""]
-    if st["protocol"].get("sensitivity"): L += [f"*Sensitivity run: {st['protocol']['sensitivity']}. Not the protocol's answer.*", ""]
+    if st["protocol"].get("sensitivity"):
+        L += [f"*Sensitivity run: {st['protocol']['sensitivity']}. Not the protocol's answer.*", ""]
     L += [st["answer"], ""]
     if st["complete"]:
         L += ["## The requirements' expectations (paired tests)", ""] + [f"- {x}" for x in st["expectations"]] + [""]
         st["figures"] = dict(law=save_figure(plot_law(st), out / "figures" / "law.png"))
-        L += decisive_results_section(st) + pairs_section(st) + law_section(st) + ["", f"![law]({st['figures']['law']})", "",
-              "Each regime's difference to nearest against nearest's predicted stall, one point per format × multiplier (tuning "
-              "seeds); the black line is the one isotonic curve through all of them."]
+        L += decisive_results_section(st) + pairs_section(st) + law_section(st) + [
+            "", f"![law]({st['figures']['law']})", "",
+            "Each regime's difference to nearest against nearest's predicted stall, one point per format × "
+            "multiplier (tuning seeds); the black line is the one isotonic curve through all of them."]
     L += bracket_section(st) + decisive_protocol_section(st, inputs) + regenerate_section(inputs)
     (out / "answer.md").write_text("\n".join(L))
     (out / "study.json").write_text(json.dumps(json_safe(st), indent=1, ensure_ascii=False) + "\n")
@@ -510,19 +598,24 @@ def report_decisive(out, inputs: dict, log=print, runs: dict | None = None) -> P
     choice = decisive_choice(grids)
     fixed = (inputs.get("lr_choice") or {}).get("mults")
     if choice and fixed and json_safe(fixed) != json_safe(choice["mults"]):
-        raise ValueError(f"{out}: the learning-rate multipliers recomputed from the run folders {choice['mults']} differ from the ones "
-                         f"fixed in {INPUTS_FILE} {fixed}; a tuning run was changed or removed after the choice")
+        raise ValueError(f"{out}: the learning-rate multipliers recomputed from the run folders {choice['mults']} "
+                         f"differ from the ones fixed in {INPUTS_FILE} {fixed}; a tuning run was changed or removed "
+                         f"after the choice")
     if choice: load(decisive_seed_specs(plan, proto, choice["mults"]))
-    return write_decisive_answer(out, decisive_analyze(plan, proto, loaded, grids, choice, inputs.get("unigram")), inputs)
+    return write_decisive_answer(out, decisive_analyze(plan, proto, loaded, grids, choice, inputs.get("unigram")),
+                                 inputs)
 
 # %% ../nbs/35_answer.ipynb #cf41777d
 def report_study(out, log=print, runs: dict | None = None) -> Path:
-    """Rewrite `answer.md`, `study.json` and the figures of the study in `out` from its run folders and `study_inputs.json`
-    (no training; `runs`: already loaded `{name: Run}`, the rest are read from `out/runs/`)."""
+    """Rewrite `answer.md`, `study.json` and the figures of the study in `out` from its run folders and
+    `study_inputs.json` (no training; `runs`: already loaded `{name: Run}`, the rest are read from `out/runs/`)."""
     out = Path(out)
     try: inputs = json.loads((out / INPUTS_FILE).read_text())
-    except (OSError, ValueError) as e: raise FileNotFoundError(f"{out / INPUTS_FILE} is missing or unreadable ({e}): is {out} a study folder?") from None
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(
+            f"{out / INPUTS_FILE} is missing or unreadable ({e}): is {out} a study folder?") from None
     if "protocol" not in inputs:
-        raise ValueError(f"{out / INPUTS_FILE} has no decisive protocol: a study of the retired first design, which this version "
-                         f"does not write up; its code is in commit {RETIRED_DESIGN_COMMIT} (`git show {RETIRED_DESIGN_COMMIT}:altgrad/answer.py`)")
+        raise ValueError(f"{out / INPUTS_FILE} has no decisive protocol: a study of the retired first design, which "
+                         f"this version does not write up; its code is in commit {RETIRED_DESIGN_COMMIT} (`git show "
+                         f"{RETIRED_DESIGN_COMMIT}:altgrad/answer.py`)")
     return report_decisive(out, inputs, log, runs)

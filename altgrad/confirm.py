@@ -12,7 +12,8 @@ import pandas as pd
 from .config import load_config, TrainConfig
 from .data import prepare_eurlex, shared_data_dir
 from .regimes import get_rule
-from .runs import TABLE, TABLE_PARQUET, STEPS_FILE, read_table, read_steps   # the study table: a row per run; per step
+# the study table: a row per run; per step
+from .runs import TABLE, TABLE_PARQUET, STEPS_FILE, read_table, read_steps
 from .runs import check_run, config_diff, read_summary, run_status, DONE
 from .stats import power_paired
 from .study import claim_run, lr_scale_for, mult_label
@@ -27,7 +28,8 @@ __all__ = ['COLUMNS', 'MEANS', 'Design', 'Spec', 'run_dir', 'trunk_checkpoint', 
 # %% ../nbs/38_confirm.ipynb #5d1e21aa
 @dataclass(frozen=True)
 class Design:
-    "The confirmatory study's pre-registered inputs: what runs, on which seeds, and how the per-cell learning rate is chosen."
+    """The confirmatory study's pre-registered inputs: what runs, on which seeds, and how the
+    per-cell learning rate is chosen."""
     preset: str = "study"
     steps: int = 400                          # every branch ends here (the schedule of one 400-step run)
     trunk_step: int = 200                     # the shared FP32-master trunk runs to here, then every regime branches
@@ -43,7 +45,8 @@ class Design:
     pilot_units: tuple = ((91, 95), (91, 96), (92, 95), (92, 96))
     pilot_formats: tuple = ("E6M1", "E7M0")
     pilot_regimes: tuple = ("nearest", "stochastic")
-    law_regimes: tuple = ("nearest", "stochastic")   # held-out: these run at every base multiplier (H1), the rest at their choice
+    law_regimes: tuple = ("nearest", "stochastic")   # held-out: these run at every base multiplier
+                                                     # (H1), the rest at their choice
 
     @property
     def heldout_units(self) -> list: return [(i, d) for i in self.heldout_inits for d in self.heldout_datas]
@@ -71,29 +74,35 @@ class Spec:
     @property
     def name(self) -> str:
         u = f"i{self.unit[0]}-d{self.unit[1]}"
-        return f"trunk-{self.fmt}-{u}" if self.regime is None else f"{self.fmt}-{self.regime}-x{mult_label(self.mult)}-{u}"
+        return (f"trunk-{self.fmt}-{u}" if self.regime is None
+                else f"{self.fmt}-{self.regime}-x{mult_label(self.mult)}-{u}")
 
+# %% ../nbs/38_confirm.ipynb #198c3f51-run-dir
 def run_dir(out, spec: Spec) -> Path: return Path(out) / "runs" / spec.name
 
 def trunk_checkpoint(out, spec: Spec, design: Design) -> Path:
     "Where the trunk of `spec` keeps the checkpoint its branches start from."
     return run_dir(out, spec.trunk) / "checkpoints" / f"step_{design.trunk_step:06d}.pt"
 
+# %% ../nbs/38_confirm.ipynb #198c3f51-run-dir-spec-config
 def spec_config(design: Design, spec: Spec, out, data_dir) -> TrainConfig:
     "The resolved `TrainConfig` of one run: a trunk (FP32 master weights, x1, stops at `trunk_step`) or a branch of it."
     common = dict(fmt=spec.fmt, seed=spec.unit[0], data_seed=spec.unit[1], data_dir=str(data_dir), shadow=False,
-                  out_dir=str(run_dir(out, spec)), wandb_mode="disabled", layer_formats=[], interventions=False, stop_on_nan=True)
+                  out_dir=str(run_dir(out, spec)), wandb_mode="disabled", layer_formats=[], interventions=False,
+                  stop_on_nan=True)
     if spec.regime is None:
-        return load_config(design.preset, **common, **get_rule("fp32").overrides(), lr_scale=1.0, max_steps=design.trunk_step,
-                           lr_decay_steps=design.steps, checkpoint_interval=design.trunk_step)
+        return load_config(design.preset, **common, **get_rule("fp32").overrides(), lr_scale=1.0,
+                           max_steps=design.trunk_step, lr_decay_steps=design.steps,
+                           checkpoint_interval=design.trunk_step)
     regime = {k: v for k, v in get_rule(spec.regime).overrides().items() if k != "lr_scale"}
-    return load_config(design.preset, **common, **regime, lr_scale=lr_scale_for(spec.regime, spec.mult), max_steps=design.steps,
-                       checkpoint_interval=design.steps, init_from=str(trunk_checkpoint(out, spec, design)))
+    return load_config(design.preset, **common, **regime, lr_scale=lr_scale_for(spec.regime, spec.mult),
+                       max_steps=design.steps, checkpoint_interval=design.steps,
+                       init_from=str(trunk_checkpoint(out, spec, design)))
 
 # %% ../nbs/38_confirm.ipynb #97cb5029
 COLUMNS = {"train/loss": "train_loss", "val/loss": "val_loss"}          # per step, every run
 MEANS = {"lost_update/total": "lost_update", "pred_stall/total": "pred_stall", "stall/total": "stall",
-         "update_ratio/total": "update_ratio"}                           # per run: means over its own steps (a branch: 201-400)
+         "update_ratio/total": "update_ratio"}                   # per run: means over its own steps (a branch: 201-400)
 def run_record(d) -> tuple[dict, pd.DataFrame]:
     "A finished run folder as one table row (its resolved config and summary) and its per-step columns (`COLUMNS`)."
     d = Path(d)
@@ -102,28 +111,33 @@ def run_record(d) -> tuple[dict, pd.DataFrame]:
     m = pd.read_parquet(d / "metrics.parquet")
     steps = pd.DataFrame({"run": d.name, "step": m["step"].astype("int32"),
                           **{v: m[k].astype("float32") if k in m else np.float32("nan") for k, v in COLUMNS.items()}})
-    keep = ("stopped_reason", "final_step", "max_steps", "final_val_loss", "final_train_loss", "first_nan_step", "step_time",
-            "seconds", "init_step", "num_params")
+    keep = ("stopped_reason", "final_step", "max_steps", "final_val_loss", "final_train_loss", "first_nan_step",
+            "step_time", "seconds", "init_step", "num_params")
     means = {v: float(m[k].mean()) for k, v in MEANS.items() if k in m and m[k].notna().any()}
     ck = sorted((d / "checkpoints").glob("step_*.pt"))
     return dict(name=d.name, config=cfg, summary={k: summ.get(k) for k in keep}, means=means,
                 **({"digest": state_digest(ck[-1])} if ck else {})), steps
 
+# %% ../nbs/38_confirm.ipynb #97cb5029-state-digest
 def state_digest(path) -> str:
-    "sha256 of a checkpoint's model and optimizer tensors (a trunk's identity: a retrained trunk must reproduce it bit for bit)."
+    """sha256 of a checkpoint's model and optimizer tensors (a trunk's identity: a retrained trunk must
+    reproduce it bit for bit)."""
     import hashlib, torch
     st, h = torch.load(path, map_location="cpu", weights_only=False), hashlib.sha256()
     for part in (st["model"], st["optimizer"]["state"]):
         for k in sorted(part, key=str):
             vals = part[k].values() if isinstance(part[k], dict) else [part[k]]
             for v in vals:
-                if torch.is_tensor(v): h.update(str(k).encode()); h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                if torch.is_tensor(v):
+                    h.update(str(k).encode())
+                    h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
 # %% ../nbs/38_confirm.ipynb #341fa1b5
 def finished_runs(design: Design, out, data_dir, specs: list) -> dict:
-    "{name: final validation loss (NaN for a run stopped at a non-finite step)} of the `specs` finished in `out`, by config."
+    """{name: final validation loss (NaN for a run stopped at a non-finite step)} of the `specs`
+    finished in `out`, by config."""
     table, done = read_table(out), {}
     for s in specs:
         cfg, row = spec_config(design, s, out, data_dir), table.get(s.name)
@@ -133,8 +147,10 @@ def finished_runs(design: Design, out, data_dir, specs: list) -> dict:
             done[s.name] = endpoint(run.summary)
     return done
 
+# %% ../nbs/38_confirm.ipynb #341fa1b5-endpoint
 def endpoint(summary: dict) -> float:
-    "A finished run's final validation loss; NaN when it stopped at a non-finite step (its last loss is of an earlier step)."
+    """A finished run's final validation loss; NaN when it stopped at a non-finite step (its last
+    loss is of an earlier step)."""
     v = summary.get("final_val_loss")
     return math.nan if summary.get("stopped_reason") == "nan" or v is None else v
 
@@ -148,6 +164,7 @@ def choose_mult(mults: list, losses: dict) -> float:
         return (len(v) - len(ok), sum(ok) / len(ok) if ok else math.inf, m)
     return min(mults, key=key)
 
+# %% ../nbs/38_confirm.ipynb #7d782b89-tuning-mults
 def tuning_mults(design: Design, losses: dict) -> tuple[list, float | None]:
     """(multipliers to train, chosen multiplier or None while the grid is incomplete) of one format x regime cell.
     `losses` {mult label: [losses of the tuning units finished]}: the base grid, extended by `extend_factor` beyond an
@@ -156,8 +173,10 @@ def tuning_mults(design: Design, losses: dict) -> tuple[list, float | None]:
     while True:
         if any(len(losses.get(mult_label(m), [])) < n for m in mults): return mults, None
         best = choose_mult(mults, losses)
-        if best == mults[0] and lo < design.max_extensions: mults, lo = [mults[0] / design.extend_factor] + mults, lo + 1
-        elif best == mults[-1] and hi < design.max_extensions: mults, hi = mults + [mults[-1] * design.extend_factor], hi + 1
+        if best == mults[0] and lo < design.max_extensions:
+            mults, lo = [mults[0] / design.extend_factor] + mults, lo + 1
+        elif best == mults[-1] and hi < design.max_extensions:
+            mults, hi = mults + [mults[-1] * design.extend_factor], hi + 1
         else: return mults, best
 
 # %% ../nbs/38_confirm.ipynb #f5763fd7
@@ -169,6 +188,7 @@ def cell_losses(design: Design, fmt: str, regime: str, done: dict, mults) -> dic
         out[mult_label(m)] = v
     return out
 
+# %% ../nbs/38_confirm.ipynb #f5763fd7-choices
 def choices(design: Design, done: dict) -> tuple[dict, list]:
     "({(fmt, regime): chosen multiplier or None}, tuning specs to train) from the tuning runs finished (`done`)."
     chosen, specs = {}, []
@@ -179,18 +199,22 @@ def choices(design: Design, done: dict) -> tuple[dict, list]:
             specs += [Spec("tuning", f, u, r, m) for m in grid for u in design.tuning_units]
     return chosen, specs
 
+# %% ../nbs/38_confirm.ipynb #f5763fd7-choices-wide
 def _wide(design: Design, grid: list) -> list:
     "`grid` with every multiplier an extension could add (so their finished losses are seen)."
     k, f = design.max_extensions, design.extend_factor
     return [grid[0] / f ** i for i in range(k, 0, -1)] + list(grid) + [grid[-1] * f ** i for i in range(1, k + 1)]
 
+# %% ../nbs/38_confirm.ipynb #f5763fd7-choices-wide-plan
 def plan(design: Design, done: dict, phases=("tuning", "heldout")) -> tuple[list, dict]:
-    "Every run the study needs now, trunks before their branches, tuning before held-out, held-out unit by unit; and the choices."
+    """Every run the study needs now, trunks before their branches, tuning before held-out, held-out unit
+    by unit; and the choices."""
     chosen, tuning = choices(design, done)
     specs = []
     if "pilot" in phases:
         for u in design.pilot_units:
-            for f in design.pilot_formats: specs += [Spec("pilot", f, u)] + [Spec("pilot", f, u, r) for r in design.pilot_regimes]
+            for f in design.pilot_formats:
+                specs += [Spec("pilot", f, u)] + [Spec("pilot", f, u, r) for r in design.pilot_regimes]
     if "tuning" in phases:
         specs += [Spec("tuning", f, u) for u in design.tuning_units for f in design.formats] + tuning
     if "heldout" in phases:
@@ -215,10 +239,11 @@ def settled_plan(design: Design, finished, phases) -> tuple[list, dict]:
         if [s.name for s in nxt] == [s.name for s in specs]: return specs, done
         specs = nxt
 
+# %% ../nbs/38_confirm.ipynb #d78489d4-todo
 def todo(design: Design, out, data_dir, phases) -> tuple[list, dict]:
-    """(specs to train now, in order; finished losses). A trunk is trained again when a branch still needs its checkpoint
-    and the checkpoint is gone (a fresh clone holds the table, not checkpoints); a branch of a trunk stopped at a
-    non-finite step is never trained (it is reported)."""
+    """(specs to train now, in order; finished losses). A trunk is trained again when a branch still needs its
+    checkpoint and the checkpoint is gone (a fresh clone holds the table, not checkpoints); a branch of a trunk stopped
+    at a non-finite step is never trained (it is reported)."""
     specs, done = settled_plan(design, lambda sp: finished_runs(design, out, data_dir, sp), phases)
     pending = [s for s in specs if s.name not in done and s.regime is not None and not _dead_trunk(s, done)]
     need = {s.trunk.name for s in pending if not trunk_checkpoint(out, s, design).exists()}
@@ -226,6 +251,7 @@ def todo(design: Design, out, data_dir, phases) -> tuple[list, dict]:
 
 def _dead_trunk(s: Spec, done: dict) -> bool: return s.trunk.name in done and not math.isfinite(done[s.trunk.name])
 
+# %% ../nbs/38_confirm.ipynb #d78489d4-todo-train
 def train(design: Design, spec: Spec, out, data_dir) -> dict:
     "Train one run from scratch into its folder (a trunk keeps its checkpoint; a branch keeps only the compact record)."
     d, cfg = run_dir(out, spec), spec_config(design, spec, out, data_dir)
@@ -233,15 +259,18 @@ def train(design: Design, spec: Spec, out, data_dir) -> dict:
     was = read_table(out).get(spec.name, {}).get("digest") if spec.regime is None else None
     summ = Trainer(cfg, progress=False).fit()
     if was is not None and (now := state_digest(trunk_checkpoint(out, spec, design))) != was:
-        raise RuntimeError(f"{spec.name} retrained is not the trunk its committed branches started from (state sha256 {now[:12]} "
-                           f"here, {was[:12]} committed): this torch/CPU does not reproduce it; the study cannot continue here")
+        raise RuntimeError(f"{spec.name} retrained is not the trunk its committed branches started from "
+                           f"(state sha256 {now[:12]} here, {was[:12]} committed): "
+                           f"this torch/CPU does not reproduce it; the study cannot continue here")
     compact_run(d, layers=False)
     for p in [d / "wandb", *([d / "checkpoints"] if spec.regime is not None else [])]:
         if p.is_dir(): shutil.rmtree(p)
     return summ
 
+# %% ../nbs/38_confirm.ipynb #d78489d4-todo-train-work
 def work(design: Design, out, data_dir, phases=("tuning", "heldout"), log=print) -> int:
-    "One worker: train what the study still needs, one run at a time, beside other workers sharing `out`; returns runs trained."
+    """One worker: train what the study still needs, one run at a time, beside other workers sharing
+    `out`; returns runs trained."""
     n = 0
     while True:
         specs, done = todo(design, out, data_dir, phases)
@@ -249,11 +278,12 @@ def work(design: Design, out, data_dir, phases=("tuning", "heldout"), log=print)
         for s in specs:
             if s.regime is not None and not trunk_checkpoint(out, s, design).exists(): continue
             with claim_run(out, s.name) as mine:
-                ready = trunk_checkpoint(out, s, design).exists() if s.regime is None else s.name in finished_runs(design, out, data_dir, [s])
-                if not mine or ready: continue                    # (a trunk in a fresh clone: finished, but its checkpoint is gone)
+                ready = (trunk_checkpoint(out, s, design).exists() if s.regime is None
+                         else s.name in finished_runs(design, out, data_dir, [s]))
+                if not mine or ready: continue        # (a trunk in a fresh clone: finished, but its checkpoint is gone)
                 t = time.time(); summ = train(design, s, out, data_dir); n += 1
-                log(f"[confirm] {s.name}: {summ['stopped_reason']} at step {summ['final_step']}, val {summ['final_val_loss']} "
-                    f"({time.time() - t:.0f} s; {len(specs) - 1} others to train)", flush=True)
+                log(f"[confirm] {s.name}: {summ['stopped_reason']} at step {summ['final_step']}, val "
+                    f"{summ['final_val_loss']} ({time.time() - t:.0f} s; {len(specs) - 1} others to train)", flush=True)
             break
         else: time.sleep(5)                                       # every runnable run is claimed elsewhere
 
@@ -277,8 +307,10 @@ def collect(out) -> dict:
     if steps is not None: steps.to_parquet(out / STEPS_FILE, compression="zstd", index=False)
     return dict(runs=len(table), folded=len(new_steps))
 
+# %% ../nbs/38_confirm.ipynb #e2c95460-write-table
 def write_table(out, rows: list) -> Path:
-    "The table as `runs.parquet` (`runs.read_table`'s layout: one row per run, each part as JSON text, zstd); no runs.json."
+    """The table as `runs.parquet` (`runs.read_table`'s layout: one row per run, each part as JSON
+    text, zstd); no runs.json."""
     import pyarrow as pa, pyarrow.parquet as pq
     cols = sorted({k for r in rows for k in r} - {"name"})
     t = pa.table({"name": [r["name"] for r in rows],
@@ -289,8 +321,9 @@ def write_table(out, rows: list) -> Path:
 
 # %% ../nbs/38_confirm.ipynb #b66358b6
 def pilot_summary(design: Design, done: dict) -> dict:
-    """The pilot's paired benefit (control - regime at x1, per unit) per format, its SD, the difference of the two formats'
-    benefits per unit (the H3 contrast) and its SD, and the held-out units that give H3 80% power at that effect and SD."""
+    """The pilot's paired benefit (control - regime at x1, per unit) per format, its SD, the difference of the two
+    formats' benefits per unit (the H3 contrast) and its SD, and the held-out units that give H3 80% power
+    at that effect and SD."""
     reg = [r for r in design.pilot_regimes if r != design.control][0]
     def loss(f, u, r): return done.get(Spec("pilot", f, u, r).name, math.nan)
     ben = {f: [loss(f, u, design.control) - loss(f, u, reg) for u in design.pilot_units] for f in design.pilot_formats}
@@ -302,30 +335,36 @@ def pilot_summary(design: Design, done: dict) -> dict:
     n = len(design.heldout_units)
     return dict(regime=reg, benefit={f: dict(mean=float(np.mean(v)), sd=sd(v), values=v) for f, v in ben.items()},
                 contrast=f"{a} - {b}", did=dict(mean=eff, sd=s, values=did), units_for_80pct_power=n80,
-                power_at_heldout_units=dict(n=n, power=power_paired(eff, s, n, alpha=0.10) if s > 0 and eff > 0 else None),
+                power_at_heldout_units=dict(n=n, power=(power_paired(eff, s, n, alpha=0.10)
+                                                        if s > 0 and eff > 0 else None)),
                 trunk_val={Spec("pilot", f, u).name: done.get(Spec("pilot", f, u).name) for f in design.pilot_formats
                            for u in design.pilot_units})
 
 # %% ../nbs/38_confirm.ipynb #464e4b0e
 def ensure_data(data_dir, max_docs: int | None = None, progress: bool = True) -> dict:
-    "The study's data folder, prepared from the shared EurLex sample (else the Hub) when it is not there yet; a no-op after."
+    """The study's data folder, prepared from the shared EurLex sample (else the Hub) when it is not
+    there yet; a no-op after."""
     sd = shared_data_dir()
     return prepare_eurlex(data_dir, source=(sd / "eurlex") if sd else None, max_docs=max_docs, progress=progress)
 
+# %% ../nbs/38_confirm.ipynb #464e4b0e-workers
 def _workers(args, phases) -> int:
     "Start `--workers` one-thread worker processes on `phases` and wait for them."
     import subprocess, sys
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "altgrad.confirm", "work", "--out", args.out, "--data-dir", args.data_dir, "--phases", ",".join(phases),
-           *(["--design", args.design] if args.design else [])]
+    cmd = [sys.executable, "-m", "altgrad.confirm", "work", "--out", args.out, "--data-dir", args.data_dir, "--phases",
+           ",".join(phases), *(["--design", args.design] if args.design else [])]
     procs = [subprocess.Popen(cmd, env=env) for _ in range(args.workers)]
     return max(p.wait() for p in procs)
 
+# %% ../nbs/38_confirm.ipynb #464e4b0e-workers-main
 def main(argv=None) -> int:
     import argparse, torch
-    p = argparse.ArgumentParser(prog="python -m altgrad.confirm", description="The confirmatory study: trunks, branches, per-cell rates.")
+    p = argparse.ArgumentParser(prog="python -m altgrad.confirm",
+                                description="The confirmatory study: trunks, branches, per-cell rates.")
     p.add_argument("command", choices=("pilot", "run", "work", "collect", "status"))
-    p.add_argument("--out", default="outputs/confirm"); p.add_argument("--data-dir", default="outputs/confirm/_data/eurlex")
+    p.add_argument("--out", default="outputs/confirm")
+    p.add_argument("--data-dir", default="outputs/confirm/_data/eurlex")
     p.add_argument("--workers", type=int, default=2); p.add_argument("--phases", default="tuning,heldout")
     p.add_argument("--design", default=None, help="a JSON file of Design fields (default: the registered design)")
     a = p.parse_args(argv)
@@ -339,4 +378,5 @@ def main(argv=None) -> int:
     print(json.dumps(dict(to_train=len(specs), finished=len(done)), indent=1)); return 0
 
 import sys as _sys
-if __name__ == "__main__" and _sys.argv[0].endswith("confirm.py"): raise SystemExit(main())   # (not when a notebook runs this cell)
+# (not when a notebook runs this cell)
+if __name__ == "__main__" and _sys.argv[0].endswith("confirm.py"): raise SystemExit(main())

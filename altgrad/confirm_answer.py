@@ -24,10 +24,12 @@ __all__ = ['UNIGRAM', 'LOFO_R2_ONE_LAW', 'ALPHA', 'DELTA_H4', 'results', 'paired
 UNIGRAM = 5.976153187937907        # the study vocabulary's unigram loss: a non-finite run's loss in the paired tests
 
 def results(design: Design, out) -> dict:
-    """Everything the analysis reads, from the committed table alone: `{'done': {name: final val loss, NaN if it stopped at
-    a non-finite step}, 'lost', 'pred'}`; `lost`/`pred`: a run's mean lost update / predicted stall over its own steps."""
+    """Everything the analysis reads, from the committed table alone: `{'done': {name: final val loss, NaN if it stopped
+    at a non-finite step}, 'lost', 'pred'}`; `lost`/`pred`: a run's mean lost update / predicted
+    stall over its own steps."""
     table = read_table(out)
-    done = {k: endpoint(r["summary"]) for k, r in table.items() if r["summary"]["stopped_reason"] in ("max_steps", "nan")}
+    done = {k: endpoint(r["summary"]) for k, r in table.items()
+            if r["summary"]["stopped_reason"] in ("max_steps", "nan")}
     means = {k: r.get("means") or {} for k, r in table.items()}
     return dict(done=done, lost={k: m["lost_update"] for k, m in means.items() if "lost_update" in m},
                 pred={k: m["pred_stall"] for k, m in means.items() if "pred_stall" in m})
@@ -40,11 +42,13 @@ def complete_units(design: Design, res: dict) -> list:
     specs, _ = plan(design, res["done"], ("heldout",))
     return [u for u in design.heldout_units if all(s.name in res["done"] for s in specs if s.unit == u)]
 
+# %% ../nbs/39_confirm_answer.ipynb #2290d56e-cell
 def cell(design: Design, res: dict, chosen: dict, fmt: str, regime: str, units: list, mult=None) -> dict:
     "{unit: final loss} of one cell on `units`, at `mult` (default: the cell's chosen multiplier)."
     m = chosen[(fmt, regime)] if mult is None else mult
     return {u: paired_loss(res["done"].get(Spec("heldout", fmt, u, regime, m).name)) for u in units}
 
+# %% ../nbs/39_confirm_answer.ipynb #2290d56e-cell-benefit
 def benefit(design, res, chosen, fmt, regime, units, mult=None) -> dict:
     "{unit: control's loss − regime's loss}: per-cell multipliers, or both at `mult`."
     c = cell(design, res, chosen, fmt, design.control, units, mult)
@@ -58,6 +62,7 @@ def t_one_sided_p(t: float, df: int) -> float:
     half = 0.5 * betainc_reg(df / 2, 0.5, df / (df + t * t))
     return half if t > 0 else 1.0 - half
 
+# %% ../nbs/39_confirm_answer.ipynb #46e182cb-one-sided
 def one_sided(diffs, shift: float = 0.0) -> dict:
     "One-sided paired t-test of H0: mean(diffs) <= -shift (shift 0: <= 0); mean, SD, n, t, p, and the 95% t-interval."
     r = mean_ci(diffs); r.update(t=None, p=None)
@@ -68,8 +73,10 @@ def one_sided(diffs, shift: float = 0.0) -> dict:
         r["p"] = 0.0 if r["mean"] + shift > 0 else 1.0
     return r
 
+# %% ../nbs/39_confirm_answer.ipynb #46e182cb-one-sided-spearman-one-sided
 def spearman_one_sided(x, y, n_perm: int | None = None, seed: int = 0) -> dict:
-    "Spearman's rho (mid-ranks for ties) and P(rho_perm >= rho): exact over every order (n_perm None) or `n_perm` random ones."
+    """Spearman's rho (mid-ranks for ties) and P(rho_perm >= rho): exact over every order (n_perm
+    None) or `n_perm` random ones."""
     rx, ry = rankdata(x), rankdata(y)
     cx = rx - rx.mean(); den = float(np.sqrt((cx ** 2).sum() * ((ry - ry.mean()) ** 2).sum()))
     rho = float(cx @ (ry - ry.mean())) / den
@@ -83,7 +90,8 @@ def spearman_one_sided(x, y, n_perm: int | None = None, seed: int = 0) -> dict:
 LOFO_R2_ONE_LAW, ALPHA, DELTA_H4 = 0.5, 0.05, 0.02      # the pre-registered thresholds
 
 def law_points(design, res, chosen, units, regime: str = "stochastic", mults=None) -> list:
-    "H1's points: (format, multiplier) -> x = nearest's mean lost update over the branch, y = mean benefit at that multiplier."
+    """H1's points: (format, multiplier) -> x = nearest's mean lost update over the branch, y = mean
+    benefit at that multiplier."""
     pts = []
     for f in design.formats:
         for m in (mults or design.base_mults):
@@ -92,6 +100,7 @@ def law_points(design, res, chosen, units, regime: str = "stochastic", mults=Non
             pts.append(dict(fmt=f, mult=m, x=float(np.nanmean(lost)), y=float(np.mean(list(b.values())))))
     return pts
 
+# %% ../nbs/39_confirm_answer.ipynb #3d864b9e-h1
 def h1(design, res, chosen, units) -> dict:
     "H1: Spearman (one-sided, 20,000 random orders) and one isotonic curve's R² and leave-one-format-out R²."
     pts = law_points(design, res, chosen, units)
@@ -100,26 +109,31 @@ def h1(design, res, chosen, units) -> dict:
     holds = sp["p"] < ALPHA and L["r2_lofo"] is not None and L["r2_lofo"] >= LOFO_R2_ONE_LAW
     return dict(points=pts, spearman=sp, r2=L["r2"], r2_lofo=L["r2_lofo"], fit=L["fit"], holds=bool(holds))
 
+# %% ../nbs/39_confirm_answer.ipynb #3d864b9e-h1-h1-secondary
 def h1_secondary(design, res, chosen, units) -> dict:
     "Registered as descriptive: H1 with nearest's predicted stall as x; Kahan and ECO at their chosen multipliers."
     pts = law_points(design, res, chosen, units)
     for p in pts:
-        p["x"] = float(np.nanmean([res["pred"].get(Spec("heldout", p["fmt"], u, design.control, p["mult"]).name, math.nan)
-                                   for u in units]))
+        p["x"] = float(np.nanmean([res["pred"].get(Spec("heldout", p["fmt"], u, design.control, p["mult"]).name,
+                                                   math.nan) for u in units]))
     L = law_fit(pts)
-    x = {f: float(np.nanmean([res["lost"].get(Spec("heldout", f, u, design.control, chosen[(f, design.control)]).name, math.nan)
-                              for u in units])) for f in design.formats}
+    x = {f: float(np.nanmean([res["lost"].get(Spec("heldout", f, u, design.control, chosen[(f, design.control)]).name,
+                                              math.nan) for u in units]))
+         for f in design.formats}
     ke = [(x[f], float(np.mean(list(benefit(design, res, chosen, f, r, units).values()))))
           for f in design.formats for r in ("kahan", "eco") if r in design.regimes]
     return dict(pred_stall=dict(spearman=spearman_one_sided([p["x"] for p in pts], [p["y"] for p in pts], n_perm=20000),
                                 r2=L["r2"], r2_lofo=L["r2_lofo"]),
-                kahan_eco_at_choice=spearman_one_sided([a for a, _ in ke], [b for _, b in ke], n_perm=20000) if len(ke) > 2 else None)
+                kahan_eco_at_choice=spearman_one_sided([a for a, _ in ke], [b for _, b in ke], n_perm=20000)
+                if len(ke) > 2 else None)
 
 # %% ../nbs/39_confirm_answer.ipynb #b13eb13f
 def h2(design, res, chosen, units) -> dict:
-    "H2: per grid-aware regime, the formats' benefit order against nearest's lost update order (exact one-sided p, Holm)."
-    x = {f: float(np.nanmean([res["lost"].get(Spec("heldout", f, u, design.control, chosen[(f, design.control)]).name, math.nan)
-                              for u in units])) for f in design.formats}
+    """H2: per grid-aware regime, the formats' benefit order against nearest's lost update order
+    (exact one-sided p, Holm)."""
+    x = {f: float(np.nanmean([res["lost"].get(Spec("heldout", f, u, design.control, chosen[(f, design.control)]).name,
+                                              math.nan) for u in units]))
+         for f in design.formats}
     out = {}
     for r in design.regimes:
         if r == design.control: continue
@@ -137,6 +151,7 @@ def h3(design, res, chosen, units, top="E7M0", second="E6M1", regime="stochastic
     r = one_sided(d)
     return dict(r, values=d, contrast=f"{top} - {second} ({regime})", holds=r["p"] is not None and r["p"] < ALPHA)
 
+# %% ../nbs/39_confirm_answer.ipynb #dc63f785-h4
 def h4(design, res, chosen, units) -> dict:
     "H4: per format, ECO's benefit is not worse than Kahan's by more than DELTA_H4 (one-sided, Holm over formats)."
     out = {}
@@ -149,7 +164,8 @@ def h4(design, res, chosen, units) -> dict:
 
 # %% ../nbs/39_confirm_answer.ipynb #e3d97fa6
 def cells(design, res, chosen, units) -> dict:
-    "Every grid-aware cell's benefit over nearest at the per-cell multipliers: mean, 95% and simultaneous (Bonferroni) intervals."
+    """Every grid-aware cell's benefit over nearest at the per-cell multipliers: mean, 95% and
+    simultaneous (Bonferroni) intervals."""
     keys = [(f, r) for f in design.formats for r in design.regimes if r != design.control]
     out = {}
     for f, r in keys:
@@ -158,8 +174,10 @@ def cells(design, res, chosen, units) -> dict:
         out[(f, r)] = dict(ci, sim_lo=sim["lo"], sim_hi=sim["hi"], per_unit=b, mult=chosen[(f, r)])
     return out
 
+# %% ../nbs/39_confirm_answer.ipynb #e3d97fa6-headline
 def headline(design, res, chosen, units, table: dict) -> dict:
-    "The cell with the largest mean benefit, and whether it beats the runner-up (one-sided paired, Holm over its differences)."
+    """The cell with the largest mean benefit, and whether it beats the runner-up (one-sided paired,
+    Holm over its differences)."""
     order = sorted(table, key=lambda k: -table[k]["mean"])
     top = order[0]
     diffs = {k: one_sided([table[top]["per_unit"][u] - table[k]["per_unit"][u] for u in units]) for k in order[1:]}
@@ -182,26 +200,33 @@ def clopper_pearson(k: int, n: int, conf: float = 0.95) -> tuple:
     a = (1 - conf) / 2
     return (0.0 if k == 0 else beta_ppf(a, k, n - k + 1), 1.0 if k == n else beta_ppf(1 - a, k + 1, n - k))
 
+# %% ../nbs/39_confirm_answer.ipynb #07542791-bad-runs
 def bad_runs(design, res, units) -> dict:
-    "Per regime and per format: held-out branches that stopped at a non-finite step or ended above their trunk's step-200 loss."
+    """Per regime and per format: held-out branches that stopped at a non-finite step or ended above
+    their trunk's step-200 loss."""
     specs, _ = plan(design, res["done"], ("heldout",))
     out = dict(regimes={}, formats={})
     for s in specs:
         if s.regime is None or s.unit not in units: continue
         v, t = res["done"].get(s.name), res["done"].get(s.trunk.name)
         bad = v is None or not math.isfinite(v) or (t is not None and v > t)
-        for d in (out["regimes"].setdefault(s.regime, dict(n=0, bad=0, runs=[])), out["formats"].setdefault(s.fmt, dict(n=0, bad=0, runs=[]))):
+        for d in (out["regimes"].setdefault(s.regime, dict(n=0, bad=0, runs=[])),
+                  out["formats"].setdefault(s.fmt, dict(n=0, bad=0, runs=[]))):
             d["n"] += 1
             if bad: d["bad"] += 1; d["runs"].append(s.name)
     for d in [*out["regimes"].values(), *out["formats"].values()]: d["ci"] = clopper_pearson(d["bad"], d["n"])
     return out
 
+# %% ../nbs/39_confirm_answer.ipynb #07542791-bad-runs-trunk-check
 def trunk_check(design, res, units) -> dict:
-    "Held-out trunks that left the plateau by the branch point (validation below the unigram loss - 0.5), and any that failed."
+    """Held-out trunks that left the plateau by the branch point (validation below the unigram loss -
+    0.5), and any that failed."""
     v = {Spec("heldout", f, u).name: res["done"].get(Spec("heldout", f, u).name) for f in design.formats for u in units}
     failed = [k for k, x in v.items() if x is None or not math.isfinite(x)]
-    return dict(n=len(v), escaped=sum(x is not None and math.isfinite(x) and x < UNIGRAM - 0.5 for x in v.values()), failed=failed)
+    return dict(n=len(v), escaped=sum(x is not None and math.isfinite(x) and x < UNIGRAM - 0.5 for x in v.values()),
+                failed=failed)
 
+# %% ../nbs/39_confirm_answer.ipynb #07542791-bad-runs-trunk-check-two-way
 def two_way(design, values: dict) -> dict:
     "Mean squares of a per-unit value over the init x data cross (no replication: the interaction is the residual)."
     I, D = design.heldout_inits, design.heldout_datas
@@ -213,11 +238,13 @@ def two_way(design, values: dict) -> dict:
 
 # %% ../nbs/39_confirm_answer.ipynb #23cafdff
 def analyse(design: Design, out) -> dict:
-    "The pre-registered analysis from the committed table; `status` 'incomplete' while fewer than 2 held-out units are complete."
+    """The pre-registered analysis from the committed table; `status` 'incomplete' while fewer than 2
+    held-out units are complete."""
     res = results(design, out)
     chosen, _ = choices(design, res["done"])
     units = complete_units(design, res)
-    A = dict(status="incomplete", units=units, runs=len(res["done"]), chosen={f"{f}/{r}": m for (f, r), m in chosen.items()})
+    A = dict(status="incomplete", units=units, runs=len(res["done"]),
+             chosen={f"{f}/{r}": m for (f, r), m in chosen.items()})
     stopped = (Path(out) / "STOP.md").exists()           # the stopping rule, declared: analyse the complete units
     if len(units) < 2 or any(v is None for v in chosen.values()): return A
     if len(units) < len(design.heldout_units) and not stopped: return A      # no interim look
@@ -225,15 +252,18 @@ def analyse(design: Design, out) -> dict:
     A.update(status="complete" if len(units) == len(design.heldout_units) else "partial",
              cells=table, headline=headline(design, res, chosen, units, table), h1=h1(design, res, chosen, units),
              h2=h2(design, res, chosen, units), h3=h3(design, res, chosen, units), h4=h4(design, res, chosen, units),
-             bad=bad_runs(design, res, units), trunks=trunk_check(design, res, units), h1_secondary=h1_secondary(design, res, chosen, units))
+             bad=bad_runs(design, res, units), trunks=trunk_check(design, res, units),
+             h1_secondary=h1_secondary(design, res, chosen, units))
     A["h3"]["two_way"] = two_way(design, dict(zip(units, A["h3"]["values"])))
     return A
 
 # %% ../nbs/39_confirm_answer.ipynb #5beaca09
-def _f(v, spec=".3f") -> str: return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+def _f(v, spec=".3f") -> str:
+    return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
 def _p(v) -> str: return "—" if v is None else (f"{v:.2g}" if v >= 0.001 else f"{v:.1e}")
 def _yes(b) -> str: return "holds" if b else "does not hold"
 
+# %% ../nbs/39_confirm_answer.ipynb #5beaca09-first-paragraph
 def first_paragraph(A: dict) -> str:
     "The answer's first paragraph: the top cell with its CI, and each hypothesis with its number."
     (f, r), hd, c = A["headline"]["top"], A["headline"], A["cells"][A["headline"]["top"]]
@@ -242,8 +272,8 @@ def first_paragraph(A: dict) -> str:
     n4 = sum(v["holds"] for v in h4["formats"].values())
     return (f"**{f} benefits most, from {r}: {_f(c['mean'])} nats below round-to-nearest (95% CI {_f(c['lo'])} to "
             f"{_f(c['hi'])}), {'resolved' if hd['resolved'] else 'not resolved'} against the runner-up {f2} + {r2} "
-            f"(difference {_f(hd['diff']['mean'])}, Holm p = {_p(hd['p_holm'])}); as the largest of {len(A['cells'])} cells its "
-            f"mean is biased upward.** "
+            f"(difference {_f(hd['diff']['mean'])}, Holm p = {_p(hd['p_holm'])}); as the largest of {len(A['cells'])} "
+            f"cells its mean is biased upward.** "
             f"H1 (one law) {_yes(h1['holds'])}: Spearman ρ = {_f(h1['spearman']['rho'], '.2f')} (one-sided p = "
             f"{_p(h1['spearman']['p'])}), isotonic R² = {_f(h1['r2'], '.2f')}, leave-one-format-out R² = "
             f"{_f(h1['r2_lofo'], '.2f')} (pre-registered threshold 0.5). H2 (the ranking): {h2}. "
@@ -254,14 +284,17 @@ def first_paragraph(A: dict) -> str:
 
 # %% ../nbs/39_confirm_answer.ipynb #2d5b4e71
 def cells_table(A: dict) -> list:
-    "Markdown rows: every grid-aware cell, best first, with its multiplier, mean benefit, 95% and simultaneous intervals."
-    L = ["| format | regime | multiplier | mean benefit (nats) | 95% CI | simultaneous CI | n |", "|---|---|---|---|---|---|---|"]
+    """Markdown rows: every grid-aware cell, best first, with its multiplier, mean benefit, 95%
+    and simultaneous intervals."""
+    L = ["| format | regime | multiplier | mean benefit (nats) | 95% CI | simultaneous CI | n |",
+         "|---|---|---|---|---|---|---|"]
     for k in A["headline"]["order"]:
         c = A["cells"][k]
         L.append(f"| {k[0]} | {k[1]} | ×{mult_label(c['mult'])} | {_f(c['mean'])} | {_f(c['lo'])} to {_f(c['hi'])} | "
                  f"{_f(c['sim_lo'])} to {_f(c['sim_hi'])} | {c['n']} |")
     return L
 
+# %% ../nbs/39_confirm_answer.ipynb #2d5b4e71-choices-table
 def choices_table(design: Design, A: dict) -> list:
     "Markdown rows: the per-cell multiplier chosen on the tuning units."
     L = ["| format | " + " | ".join(design.regimes) + " |", "|---|" + "---|" * len(design.regimes)]
@@ -269,35 +302,40 @@ def choices_table(design: Design, A: dict) -> list:
         L.append(f"| {f} | " + " | ".join(f"×{mult_label(A['chosen'][f'{f}/{r}'])}" for r in design.regimes) + " |")
     return L
 
+# %% ../nbs/39_confirm_answer.ipynb #2d5b4e71-choices-table-hypotheses-lines
 def hypotheses_lines(A: dict) -> list:
     "One bullet per hypothesis with its test's numbers."
     h1, h3, h4 = A["h1"], A["h3"], A["h4"]
     sec = A["h1_secondary"]; ke = sec["kahan_eco_at_choice"]
     L = [f"- **H1** {_yes(h1['holds'])}: {len(h1['points'])} points (stochastic rounding × multipliers × formats); "
-         f"Spearman ρ = {_f(h1['spearman']['rho'], '.3f')}, one-sided p = {_p(h1['spearman']['p'])} (20,000 random orders); "
-         f"isotonic R² = {_f(h1['r2'])}, LOFO R² = {_f(h1['r2_lofo'])} (one law: ≥ 0.5).",
-         f"  - Descriptive, as registered: with nearest's predicted stall as x, ρ = {_f(sec['pred_stall']['spearman']['rho'], '.3f')}, "
-         f"LOFO R² = {_f(sec['pred_stall']['r2_lofo'])}; Kahan and ECO at their chosen multipliers against nearest's lost "
-         f"update: ρ = {_f(ke['rho'] if ke else None, '.3f')}."]
+         f"Spearman ρ = {_f(h1['spearman']['rho'], '.3f')}, one-sided p = {_p(h1['spearman']['p'])} (20,000 random "
+         f"orders); isotonic R² = {_f(h1['r2'])}, LOFO R² = {_f(h1['r2_lofo'])} (one law: ≥ 0.5).",
+         f"  - Descriptive, as registered: with nearest's predicted stall as x, ρ = "
+         f"{_f(sec['pred_stall']['spearman']['rho'], '.3f')}, LOFO R² = {_f(sec['pred_stall']['r2_lofo'])}; Kahan and "
+         f"ECO at their chosen multipliers against nearest's lost update: ρ = {_f(ke['rho'] if ke else None, '.3f')}."]
     for r, v in A["h2"]["regimes"].items():
-        L.append(f"- **H2, {r}** {_yes(v['holds'])}: ρ = {_f(v['rho'], '.3f')} over {v['n']} formats, exact one-sided p = "
-                 f"{_p(v['p'])}, Holm {_p(v['p_holm'])}.")
+        L.append(f"- **H2, {r}** {_yes(v['holds'])}: ρ = {_f(v['rho'], '.3f')} over {v['n']} formats, exact one-sided "
+                 f"p = {_p(v['p'])}, Holm {_p(v['p_holm'])}.")
     tw = h3.get("two_way") or {}
-    L.append(f"- **H3** {_yes(h3['holds'])}: {h3['contrast']} = {_f(h3['mean'])} nats, SD {_f(h3['sd'])}, n = {h3['n']}, "
-             f"t = {_f(h3['t'], '.2f')}, one-sided p = {_p(h3['p'])}" + (f"; mean squares: init {_f(tw['ms_init'], '.2e')}, "
+    L.append(f"- **H3** {_yes(h3['holds'])}: {h3['contrast']} = {_f(h3['mean'])} nats, SD {_f(h3['sd'])}, n = "
+             f"{h3['n']}, t = {_f(h3['t'], '.2f')}, one-sided p = {_p(h3['p'])}"
+             + (f"; mean squares: init {_f(tw['ms_init'], '.2e')}, "
              f"data order {_f(tw['ms_data'], '.2e')}, residual {_f(tw['ms_resid'], '.2e')}." if tw else "."))
     for f, v in h4["formats"].items():
         L.append(f"- **H4, {f}** {_yes(v['holds'])}: Kahan − ECO loss = {_f(v['mean'])} (95% CI {_f(v['lo'])} to "
                  f"{_f(v['hi'])}), H0 mean ≤ −{h4['margin']}: p = {_p(v['p'])}, Holm {_p(v['p_holm'])}.")
     return L
 
+# %% ../nbs/39_confirm_answer.ipynb #2d5b4e71-choices-table-hypotheses-lines-bad-lines
 def bad_lines(A: dict) -> list:
-    "Bad held-out branches per regime and per format (non-finite, or above the trunk's step-200 loss), exact intervals; the trunks."
+    """Bad held-out branches per regime and per format (non-finite, or above the trunk's step-200 loss),
+    exact intervals; the trunks."""
     row = lambda k, d: (f"- {k}: {d['bad']} of {d['n']} ({_f(d['ci'][0], '.2f')} to {_f(d['ci'][1], '.2f')})"
                         + (f": {', '.join(d['runs'][:6])}" if d["runs"] else ""))
     t = A["trunks"]
     return ([row(r, d) for r, d in A["bad"]["regimes"].items()] + [row(f, d) for f, d in A["bad"]["formats"].items()] +
-            [f"- Trunks: {t['escaped']} of {t['n']} had left the plateau at the branch point (validation < unigram − 0.5)"
+            [f"- Trunks: {t['escaped']} of {t['n']} had left the plateau at the branch point "
+             f"(validation < unigram − 0.5)"
              + (f"; stopped at a non-finite step: {', '.join(t['failed'])}" if t["failed"] else "") + "."])
 
 # %% ../nbs/39_confirm_answer.ipynb #9d9d5597
@@ -324,24 +362,29 @@ def law_figure(design: Design, A: dict, path) -> Path:
 def deviations(out: Path) -> list:
     "The registration's amendments (each states its reason) and a declared stop, as committed beside the table."
     reg = out / "PREREGISTRATION.md"
-    L = [f"- {h.lstrip('# ').strip()}: see PREREGISTRATION.md" for h in (reg.read_text().splitlines() if reg.exists() else [])
+    L = [f"- {h.lstrip('# ').strip()}: see PREREGISTRATION.md"
+         for h in (reg.read_text().splitlines() if reg.exists() else [])
          if h.startswith("## Amendment")]
-    if (out / "STOP.md").exists(): L.append("- The study was stopped before every held-out unit was complete: see STOP.md")
+    if (out / "STOP.md").exists():
+        L.append("- The study was stopped before every held-out unit was complete: see STOP.md")
     return L or ["- None."]
 
+# %% ../nbs/39_confirm_answer.ipynb #a305f9a0-answer-md
 def answer_md(design: Design, A: dict, literature: list, out=".") -> str:
     "The whole answer.md."
     if A["status"] == "incomplete":
-        return (f"# The confirmatory study: answer\n\nNot yet: {A['runs']} runs finished, {len(A['units'])} held-out units complete "
-                "(the analysis needs every tuning cell chosen and at least 2 complete held-out units).\n")
+        return (f"# The confirmatory study: answer\n\nNot yet: {A['runs']} runs finished, "
+                f"{len(A['units'])} held-out units complete "
+                f"(the analysis needs every tuning cell chosen and at least 2 complete held-out units).\n")
     L = ["# The confirmatory study: answer", "", first_paragraph(A), "", "![law](figures/law.png)", "",
          "## Hypotheses (pre-registered in PREREGISTRATION.md, with its amendment)", "", *hypotheses_lines(A), "",
-         "## Every cell (benefit over round-to-nearest, paired on the shared trunk, held-out units)", "", *cells_table(A), "",
-         "## Learning-rate multipliers chosen on the tuning units", "", *choices_table(design, A), "",
-         "## Bad runs (an outcome of their own)", "", *bad_lines(A), "", "## Against the literature", "", *literature, "",
-         "## Deviations from the registration", "", *deviations(Path(out)), ""]
+         "## Every cell (benefit over round-to-nearest, paired on the shared trunk, held-out units)", "",
+         *cells_table(A), "", "## Learning-rate multipliers chosen on the tuning units", "", *choices_table(design, A),
+         "", "## Bad runs (an outcome of their own)", "", *bad_lines(A), "", "## Against the literature", "",
+         *literature, "", "## Deviations from the registration", "", *deviations(Path(out)), ""]
     return "\n".join(L)
 
+# %% ../nbs/39_confirm_answer.ipynb #a305f9a0-answer-md-write-answer
 def write_answer(design: Design, out, literature=None) -> dict:
     "Analyse the committed table and write `answer.md`, `study.json` and `figures/law.png` into `out`."
     A = analyse(design, out); out = Path(out)
@@ -351,9 +394,11 @@ def write_answer(design: Design, out, literature=None) -> dict:
     (out / "study.json").write_text(json.dumps(_plain(A), indent=1, sort_keys=True) + "\n")
     return A
 
+# %% ../nbs/39_confirm_answer.ipynb #a305f9a0-answer-md-write-answer-plain
 def _plain(x):
     "JSON-safe: tuple keys joined by '/', numpy scalars as floats, NaN as None."
-    if isinstance(x, dict): return {("/".join(map(str, k)) if isinstance(k, tuple) else str(k)): _plain(v) for k, v in x.items()}
+    if isinstance(x, dict):
+        return {("/".join(map(str, k)) if isinstance(k, tuple) else str(k)): _plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)): return [_plain(v) for v in x]
     if isinstance(x, (np.floating, float)): return None if not math.isfinite(float(x)) else round(float(x), 10)
     if isinstance(x, np.integer): return int(x)
@@ -367,31 +412,32 @@ def literature_lines(A: dict) -> list:
     n_f = sum(r == "stochastic" for (f, r) in cl)
     rises = h1["spearman"]["p"] < ALPHA
     return [
-        f"- **Xia, Massei, Hochstenbach and Koren (arXiv 2202.12276)** show that stochastic rounding prevents the stagnation "
-        f"that round-to-nearest suffers in low-precision gradient descent. Here, with the escape from the plateau shared by "
-        f"design, stochastic rounding's benefit over nearest has its 95% CI above 0 (unadjusted) in {sr_pos} of {n_f} formats, and it "
-        f"{'rises' if rises else 'does not rise detectably'} with nearest's measured lost update "
-        f"(ρ = {_f(h1['spearman']['rho'], '.2f')}).",
-        f"- **Chmiel, Fishman, Banner and Soudry (arXiv 2505.19115, FP4 all the way)** find that quantized training becomes less "
-        f"effective once the gradient norm falls below about √3 times the quantization noise. This study measures a "
-        f"different quantity, the share of each update that the weight grid loses. It therefore tests the mechanism only "
-        f"indirectly: H1's leave-one-format-out R² is {_f(h1['r2_lofo'], '.2f')}.",
-        f"- **ECO (Nikdan et al., arXiv 2601.22101)** reports near-lossless FP8 training without master weights, up to a 2.1B "
-        f"mixture of experts, with no extra memory. Here, ECO is within {h4['margin']} nats of Kahan's FP32 residual in "
-        f"{sum(v['holds'] for v in h4['formats'].values())} of {len(h4['formats'])} formats, at 1.3M parameters and 200 "
-        f"branch steps. This is a small-scale check of the memory-free claim, on grids coarser than FP8 E4M3 included, "
-        f"not a replication.",
-        "- **Ozkara, Yu and Park (arXiv 2502.20566)** find that BF16 training with stochastic rounding and no FP32 master "
-        "weights can beat (BF16, FP32) mixed precision, up to 6.7B parameters. This study removed its FP32-master branches by "
-        "the pre-registered budget rule, so it compares stochastic rounding with round-to-nearest on 8-bit grids, not with "
-        "master weights.",
+        f"- **Xia, Massei, Hochstenbach and Koren (arXiv 2202.12276)** show that stochastic rounding prevents the "
+        f"stagnation that round-to-nearest suffers in low-precision gradient descent. Here, with the escape from the "
+        f"plateau shared by design, stochastic rounding's benefit over nearest has its 95% CI above 0 (unadjusted) in "
+        f"{sr_pos} of {n_f} formats, and it {'rises' if rises else 'does not rise detectably'} with nearest's measured "
+        f"lost update (ρ = {_f(h1['spearman']['rho'], '.2f')}).",
+        f"- **Chmiel, Fishman, Banner and Soudry (arXiv 2505.19115, FP4 all the way)** find that quantized training "
+        f"becomes less effective once the gradient norm falls below about √3 times the quantization noise. This study "
+        f"measures a different quantity, the share of each update that the weight grid loses. It therefore tests the "
+        f"mechanism only indirectly: H1's leave-one-format-out R² is {_f(h1['r2_lofo'], '.2f')}.",
+        f"- **ECO (Nikdan et al., arXiv 2601.22101)** reports near-lossless FP8 training without master weights, up to "
+        f"a 2.1B mixture of experts, with no extra memory. Here, ECO is within {h4['margin']} nats of Kahan's FP32 "
+        f"residual in {sum(v['holds'] for v in h4['formats'].values())} of {len(h4['formats'])} formats, at 1.3M "
+        f"parameters and 200 branch steps. This is a small-scale check of the memory-free claim, on grids coarser than "
+        f"FP8 E4M3 included, not a replication.",
+        "- **Ozkara, Yu and Park (arXiv 2502.20566)** find that BF16 training with stochastic rounding and no FP32 "
+        "master weights can beat (BF16, FP32) mixed precision, up to 6.7B parameters. This study removed its "
+        "FP32-master branches by the pre-registered budget rule, so it compares stochastic rounding with "
+        "round-to-nearest on 8-bit grids, not with master weights.",
     ]
 
 # %% ../nbs/39_confirm_answer.ipynb #0feadbf7
 def main(argv=None) -> int:
     "`python -m altgrad.confirm_answer [--out outputs/confirm]`: rewrite the answer from the committed table alone."
     import argparse
-    p = argparse.ArgumentParser(prog="python -m altgrad.confirm_answer", description="The confirmatory study's answer (report only).")
+    p = argparse.ArgumentParser(prog="python -m altgrad.confirm_answer",
+                                description="The confirmatory study's answer (report only).")
     p.add_argument("--out", default="outputs/confirm")
     a = p.parse_args(argv)
     A = write_answer(Design(), a.out)

@@ -38,13 +38,15 @@ __all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER
 DISTINCT_FORMATS = ("E0M7", "E2M5", "E3M4", "E4M3", "E5M2", "E6M1", "E7M0")
 DEFAULT_SEEDS = (42, 43, 44)
 STUDY_RULES = ("fp32", "nearest", "stochastic", "kahan", "madam", "lion")     # registry names: the default selection
-CONTROL, UPPER = "nearest", "fp32"          # every benefit is measured against CONTROL; UPPER keeps the weights off the grid
+CONTROL, UPPER = "nearest", "fp32"     # every benefit is measured against CONTROL; UPPER keeps the weights off the grid
 REF_PRECISIONS = ("fp32", "bf16")
-REQUIRED_EXPECTATIONS = tuple(research_choices()["expectations"])     # the requirements' hypotheses (altgrad/research.yaml)
-STUDY_KEYS = ("fmt", "fmt_backward", "layer_formats", "regime", "master_weights", "weight_update", "optimizer", "lr_scale",
-              "residual_dtype", "max_steps", "seed", "shadow", "precision", "stop_on_nan", "interventions", "out_dir",
-              "data_dir", "resume", "checkpoint_interval", "wandb_mode")
-# per preset: steps, shadow, LR multipliers, LR-sweep formats (None: every format). cpu: fits ~4 h of this 2-core machine
+REQUIRED_EXPECTATIONS = tuple(research_choices()["expectations"])     # the requirements' hypotheses
+                                                                      # (altgrad/research.yaml)
+STUDY_KEYS = ("fmt", "fmt_backward", "layer_formats", "regime", "master_weights", "weight_update", "optimizer",
+              "lr_scale", "residual_dtype", "max_steps", "seed", "shadow", "precision", "stop_on_nan", "interventions",
+              "out_dir", "data_dir", "resume", "checkpoint_interval", "wandb_mode")
+# per preset: steps, shadow, LR multipliers, LR-sweep formats (None: every format). cpu: fits
+# ~4 h of this 2-core machine
 STUDY_DEFAULTS = {
     "cpu": dict(steps=120, shadow=False, lr_mults=(1 / 3, 1.0, 3.0), lr_formats=("E0M7", "E3M4", "E5M2", "E7M0")),
     "gpu": dict(steps=2000, shadow=True, lr_mults=(1 / 3, 1.0, 3.0), lr_formats=None),
@@ -60,12 +62,16 @@ def parse_mults(text) -> list[float]:
     "`'1/3,1,3'` (fractions or decimals) or a list -> positive floats."
     items = [t.strip() for t in text.split(",") if t.strip()] if isinstance(text, str) else list(text)
     try: out = [float(Fraction(t)) if isinstance(t, str) else float(t) for t in items]
-    except (ValueError, ZeroDivisionError): raise ConfigError(f"--lr-mults {text!r}: give positive numbers such as 1/3,1,3") from None
-    if not out or any(not (m > 0 and math.isfinite(m)) for m in out): raise ConfigError(f"--lr-mults {text!r}: multipliers must be positive")
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"--lr-mults {text!r}: give positive numbers such as 1/3,1,3") from None
+    if not out or any(not (m > 0 and math.isfinite(m)) for m in out):
+        raise ConfigError(f"--lr-mults {text!r}: multipliers must be positive")
     return out
 
+# %% ../nbs/32_study.ipynb #aab085aa-lr-scale-for
 def lr_scale_for(rule: str, mult: float) -> float:
-    "The `lr_scale` of regime `rule` at multiplier `mult` of its base (its own `lr_scale`, else its optimizer's default; 6 significant digits)."
+    """The `lr_scale` of regime `rule` at multiplier `mult` of its base (its own `lr_scale`, else its optimizer's
+    default; 6 significant digits)."""
     r = get_rule(rule)
     return float(f"{mult * (r.lr_scale if r.lr_scale is not None else default_lr_scale(r.optimizer)):.6g}")
 
@@ -89,11 +95,14 @@ def distinct_formats(formats) -> tuple[list[str], dict]:
 
 # %% ../nbs/32_study.ipynb #a8443e9e
 def normalize_rules(rules=None) -> list[str]:
-    "Registry names in the study's order (`STUDY_RULES` first, then the registry's); `fp32` and `nearest` always included."
+    """Registry names in the study's order (`STUDY_RULES` first, then the registry's); `fp32` and
+    `nearest` always included."""
     order = list(STUDY_RULES) + [r for r in UPDATE_RULES if r not in STUDY_RULES]
     given = [str(r).strip().lower() for r in rules if str(r).strip()] if rules else list(STUDY_RULES)
     bad = [r for r in given if r not in UPDATE_RULES]
-    if bad: raise ConfigError(f"unknown rule(s) {', '.join(map(repr, bad))}; valid rules: {', '.join(r for r in order if r in UPDATE_RULES)}")
+    if bad:
+        raise ConfigError(f"unknown rule(s) {', '.join(map(repr, bad))}; valid rules: "
+                          f"{', '.join(r for r in order if r in UPDATE_RULES)}")
     want = set(given) | {UPPER, CONTROL}
     return [r for r in order if r in want]
 
@@ -119,11 +128,13 @@ class StudyPlan:
 
 # %% ../nbs/32_study.ipynb #a75fb823
 def study_defaults(preset: str) -> dict:
-    "The study's defaults for `preset` (`STUDY_DEFAULTS`; a YAML preset: its max_steps, no shadow, multipliers 1/3, 1, 3)."
+    """The study's defaults for `preset` (`STUDY_DEFAULTS`; a YAML preset: its max_steps, no
+    shadow, multipliers 1/3, 1, 3)."""
     p = resolve_preset(preset)
     if p in STUDY_DEFAULTS: return dict(STUDY_DEFAULTS[p])
     return dict(steps=load_config(p).max_steps, shadow=False, lr_mults=(1 / 3, 1.0, 3.0), lr_formats=None)
 
+# %% ../nbs/32_study.ipynb #a75fb823-as-list
 def _as_list(v):
     if v is None or v == "": return None
     return [t.strip() for t in v.split(",") if t.strip()] if isinstance(v, str) else list(v)
@@ -141,7 +152,8 @@ def _lr_formats(lr_formats, fmts: list, equal: dict, default) -> list:
 # %% ../nbs/32_study.ipynb #7823370a
 def make_plan(preset: str = "cpu", formats=None, rules=None, seeds=None, steps: int | None = None, lr_mults=None,
               lr_formats=None, shadow: bool | None = None, overrides: dict | None = None) -> StudyPlan:
-    "Validate the study's settings (lists or comma-separated text; None: the preset's `study_defaults`) into a `StudyPlan`."
+    """Validate the study's settings (lists or comma-separated text; None: the preset's
+    `study_defaults`) into a `StudyPlan`."""
     preset = resolve_preset(preset)
     if preset not in PRESETS: load_config(preset)                         # a clear error for an unknown preset/YAML
     d = study_defaults(preset)
@@ -151,10 +163,12 @@ def make_plan(preset: str = "cpu", formats=None, rules=None, seeds=None, steps: 
     seeds = list(dict.fromkeys(seeds))
     if any(s < 0 for s in seeds): raise ConfigError(f"--seeds {seeds}: seeds must be >= 0")
     steps = d["steps"] if steps is None else steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1: raise ConfigError(f"--steps must be an integer >= 1, got {steps!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"--steps must be an integer >= 1, got {steps!r}")
     mults = parse_mults(lr_mults) if lr_mults not in (None, "") else [float(m) for m in d["lr_mults"]]
     labels = [mult_label(m) for m in mults]
-    if len(set(labels)) < len(labels): raise ConfigError(f"--lr-mults {lr_mults!r}: multipliers must differ in 3 significant digits")
+    if len(set(labels)) < len(labels):
+        raise ConfigError(f"--lr-mults {lr_mults!r}: multipliers must differ in 3 significant digits")
     ov = dict(overrides or {})
     check_keys(ov, "study overrides")
     fixed = [k for k in ov if k in STUDY_KEYS]
@@ -167,7 +181,8 @@ def make_plan(preset: str = "cpu", formats=None, rules=None, seeds=None, steps: 
 # %% ../nbs/32_study.ipynb #32a00010
 @dataclass(frozen=True)
 class RunSpec:
-    "One run of the matrix: an 8-bit run (`fmt`, its regime `rule`) or a reference (`fmt=None`, its `precision`: 'fp32' or 'bf16')."
+    """One run of the matrix: an 8-bit run (`fmt`, its regime `rule`) or a reference (`fmt=None`, its
+    `precision`: 'fp32' or 'bf16')."""
     name: str
     phase: str
     seed: int
@@ -176,6 +191,7 @@ class RunSpec:
     lr_mult: float | None = None
     precision: str | None = None
 
+# %% ../nbs/32_study.ipynb #32a00010-reference-spec
 def reference_spec(seed: int, precision: str, mult: float = 1.0, phase: str = "lr") -> RunSpec:
     "A high-precision reference (`ref-<precision>-s<seed>` at ×1, `ref-<precision>-x<mult>-s<seed>` otherwise)."
     tag = "" if mult == 1.0 else f"-x{mult_label(mult)}"
@@ -185,6 +201,7 @@ def format_spec(fmt: str, rule: str, seed: int, mult: float, phase: str = "seeds
     "An 8-bit run: `<fmt>-<rule>-x<mult>-s<seed>`."
     return RunSpec(f"{fmt}-{rule}-x{mult_label(mult)}-s{seed}", phase, seed, fmt, rule, mult)
 
+# %% ../nbs/32_study.ipynb #32a00010-reference-spec-parse-shard
 def parse_shard(text: str) -> tuple[int, int]:
     "`'i/n'` -> (i, n) with 0 <= i < n."
     try: i, n = (int(t) for t in str(text).split("/"))
@@ -197,16 +214,20 @@ def run_dir(out, name: str) -> Path: return Path(out) / "runs" / name
 
 def spec_config(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: str = "disabled"):
     "The `TrainConfig` of one run of the study."
-    common = dict(max_steps=plan.steps, seed=spec.seed, data_dir=portable(data_dir), out_dir=portable(run_dir(out, spec.name)),
-                  wandb_mode=wandb_mode, checkpoint_interval=plan.steps, layer_formats=[], interventions=False, stop_on_nan=True,
-                  **plan.overrides)
+    common = dict(max_steps=plan.steps, seed=spec.seed, data_dir=portable(data_dir),
+                  out_dir=portable(run_dir(out, spec.name)), wandb_mode=wandb_mode, checkpoint_interval=plan.steps,
+                  layer_formats=[], interventions=False, stop_on_nan=True, **plan.overrides)
     if spec.fmt is None:
-        return load_config(plan.preset, fmt=None, shadow=False, precision=spec.precision, lr_scale=lr_scale_for(UPPER, spec.lr_mult or 1.0), **common)
+        return load_config(plan.preset, fmt=None, shadow=False, precision=spec.precision,
+                           lr_scale=lr_scale_for(UPPER, spec.lr_mult or 1.0), **common)
     regime = {k: v for k, v in get_rule(spec.rule).overrides().items() if k != "lr_scale"}
-    return load_config(plan.preset, fmt=spec.fmt, shadow=plan.shadow, lr_scale=lr_scale_for(spec.rule, spec.lr_mult), **regime, **common)
+    return load_config(plan.preset, fmt=spec.fmt, shadow=plan.shadow, lr_scale=lr_scale_for(spec.rule, spec.lr_mult),
+                       **regime, **common)
 
+# %% ../nbs/32_study.ipynb #32a00013-resumable
 def resumable(d, cfg) -> bool:
-    "Does `d` hold an interrupted run of `cfg` (the trainer's `run_state`: unfinished, with a checkpoint) that the trainer can continue?"
+    """Does `d` hold an interrupted run of `cfg` (the trainer's `run_state`: unfinished, with a checkpoint) that
+    the trainer can continue?"""
     return run_state(d)[0] == "interrupted" and same_config(d, cfg)
 
 # %% ../nbs/32_study.ipynb #5f713ff4
@@ -219,10 +240,12 @@ def finalize_run(d) -> Path:
         if p.is_dir(): shutil.rmtree(p)
     return d
 
+# %% ../nbs/32_study.ipynb #5f713ff4-train-spec
 def train_spec(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: str = "disabled", resume: bool = False):
-    """Train one run into `out/runs/<name>`; returns its `Run`. `resume=True` continues the interrupted run there from its
-    checkpoint; otherwise a finished run there (of another config) moves to its `_previous/` folder, never deleted, and anything
-    else there is replaced. An interrupted training raises the trainer's `Interrupted` (its folder kept)."""
+    """Train one run into `out/runs/<name>`; returns its `Run`. `resume=True` continues the interrupted run there from
+    its checkpoint; otherwise a finished run there (of another config) moves to its `_previous/` folder, never deleted,
+    and anything else there is replaced. An interrupted training raises the trainer's
+    `Interrupted` (its folder kept)."""
     d, cfg = run_dir(out, spec.name), spec_config(plan, spec, out, data_dir, wandb_mode)
     if resume: cfg = dataclasses.replace(cfg, resume=True)
     elif run_state(d)[0] == "finished": move_to_previous(d)
@@ -230,31 +253,35 @@ def train_spec(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: s
     Trainer(cfg, progress=False).fit()                      # a signal: the trainer checkpoints and raises `Interrupted`
     finalize_run(d)
     run, why = check_run(d, cfg)
-    if run is None: raise RuntimeError(f"{spec.name}: the trainer did not leave a complete run in {d}: {'; '.join(why)}")
+    if run is None:
+        raise RuntimeError(f"{spec.name}: the trainer did not leave a complete run in {d}: {'; '.join(why)}")
     return run
 
 # %% ../nbs/32_study.ipynb #e75746be
 def _triage(plan: StudyPlan, specs: list, out, data_dir: str, wandb_mode: str, cache: dict, log) -> list:
-    "The `(spec, resume)` pairs still to train: finished runs go to `cache`; each other folder there says why it is not reused."
+    """The `(spec, resume)` pairs still to train: finished runs go to `cache`; each other folder there
+    says why it is not reused."""
     todo = []
     for sp in specs:
         d, cfg = run_dir(out, sp.name), spec_config(plan, sp, out, data_dir, wandb_mode)
         run, why = check_run(d, cfg)
         if run is not None: cache[sp.name] = run; continue
         res = resumable(d, cfg)
-        with claim_run(out, sp.name) as free: pass                     # claimed elsewhere: being trained, nothing to say yet
+        with claim_run(out, sp.name) as free: pass                # claimed elsewhere: being trained, nothing to say yet
         if free and res: log(f"[altgrad-study] {sp.name}: resuming the interrupted run in {d} from its checkpoint")
         elif free and d.exists(): log(f"[altgrad-study] {sp.name}: not reusing {d}: {'; '.join(why)}; training it again"
-                             + (" (the finished run there moves to its _previous/ folder)" if run_state(d)[0] == "finished" else ""))
+                             + (" (the finished run there moves to its _previous/ folder)"
+                                if run_state(d)[0] == "finished" else ""))
         todo.append((sp, res))
     return todo
 
 # %% ../nbs/32_study.ipynb #3a6bb918
 class claim_run:
-    """An exclusive claim on training run `name` of study folder `out`: a `flock` on `out/.claims/<name>.lock`, released when
-    the block ends or the process dies. `bool(claim)` is False when another process holds it (that process trains the run);
-    `wait=True` blocks until the claim is free instead."""
-    def __init__(self, out, name: str, wait: bool = False): self.path, self.wait = Path(out) / ".claims" / f"{name}.lock", wait
+    """An exclusive claim on training run `name` of study folder `out`: a `flock` on `out/.claims/<name>.lock`, released
+    when the block ends or the process dies. `bool(claim)` is False when another process holds it (that process trains
+    the run); `wait=True` blocks until the claim is free instead."""
+    def __init__(self, out, name: str, wait: bool = False):
+        self.path, self.wait = Path(out) / ".claims" / f"{name}.lock", wait
     def __enter__(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.f = open(self.path, "a")
@@ -269,10 +296,11 @@ class claim_run:
 
 # %% ../nbs/32_study.ipynb #86dd66b7
 def _train_claimed(plan: StudyPlan, sp, out, data_dir: str, wandb_mode: str, cache: dict, wait: bool = False) -> str:
-    "Train run `sp` under its claim: 'trained', 'reused' (another process finished it meanwhile) or 'busy' (claimed elsewhere)."
+    """Train run `sp` under its claim: 'trained', 'reused' (another process finished it meanwhile) or
+    'busy' (claimed elsewhere)."""
     with claim_run(out, sp.name, wait) as mine:
         if not mine: return "busy"
-        again = _triage(plan, [sp], out, data_dir, wandb_mode, cache, lambda *_: None)       # checked again under the claim
+        again = _triage(plan, [sp], out, data_dir, wandb_mode, cache, lambda *_: None)   # checked again under the claim
         if not again: return "reused"
         cache[sp.name] = train_spec(plan, sp, out, data_dir, wandb_mode, resume=again[0][1])
         return "trained"
@@ -280,15 +308,16 @@ def _train_claimed(plan: StudyPlan, sp, out, data_dir: str, wandb_mode: str, cac
 # %% ../nbs/32_study.ipynb #c646113c
 def execute(plan: StudyPlan, specs: list, out, data_dir: str, wandb_mode: str = "disabled", desc: str = "study",
             cache: dict | None = None, log=print, wait: bool = False) -> dict:
-    """Train (or resume) the `specs` not already finished in `out` (progress bar over runs); `{'reused', 'trained', 'busy', 'runs'}`
-    (`runs`: the names this call trained).
-    Each run is trained under its claim (`claim_run`), so processes sharing `out` never train one run twice. A run another
-    process is training is `busy` and left to it; with `wait=True` this process waits for it at the end (and resumes it if
-    that process was interrupted)."""
+    """Train (or resume) the `specs` not already finished in `out` (progress bar over runs); `{'reused', 'trained',
+    'busy', 'runs'}` (`runs`: the names this call trained).
+    Each run is trained under its claim (`claim_run`), so processes sharing `out` never train one run twice. A run
+    another process is training is `busy` and left to it; with `wait=True` this process waits for it at the end (and
+    resumes it if that process was interrupted)."""
     from tqdm.auto import tqdm
     cache = {} if cache is None else cache
     todo = _triage(plan, specs, out, data_dir, wandb_mode, cache, log)
-    bar = tqdm(total=len(specs), initial=len(specs) - len(todo), unit="run", desc=desc, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=len(specs), initial=len(specs) - len(todo), unit="run", desc=desc, file=sys.stderr,
+               dynamic_ncols=True)
     sp, n, later = None, dict(reused=len(specs) - len(todo), trained=0, busy=0, runs=[]), []
     try:
         for sp, _ in todo:
@@ -301,8 +330,8 @@ def execute(plan: StudyPlan, specs: list, out, data_dir: str, wandb_mode: str = 
             k = _train_claimed(plan, sp, out, data_dir, wandb_mode, cache, wait=True)
             n[k] += 1; n["runs"] += [sp.name] * (k == "trained"); bar.update(1)
     except KeyboardInterrupt:
-        log(f"[altgrad-study] interrupted during {sp.name if sp else 'start-up'}: finished runs are kept and an interrupted one "
-            "keeps its checkpoint; rerun the same command to resume")
+        log(f"[altgrad-study] interrupted during {sp.name if sp else 'start-up'}: finished runs are kept and an "
+            f"interrupted one keeps its checkpoint; rerun the same command to resume")
         raise
     finally: bar.close()
     return n
@@ -310,7 +339,8 @@ def execute(plan: StudyPlan, specs: list, out, data_dir: str, wandb_mode: str = 
 # %% ../nbs/32_study.ipynb #042fa0fa
 def collect_runs(plan: StudyPlan, specs: list, sources, out, data_dir: str, wandb_mode: str = "disabled",
                  cache: dict | None = None, log=print) -> dict:
-    "Copy into `out/runs/` each spec's run from the first source folder holding a reusable one; `{'present', 'copied', 'missing'}`."
+    """Copy into `out/runs/` each spec's run from the first source folder holding a reusable one;
+    `{'present', 'copied', 'missing'}`."""
     cache = {} if cache is None else cache
     res = dict(present=0, copied=0, missing=[])
     for sp in specs:
@@ -322,7 +352,7 @@ def collect_runs(plan: StudyPlan, specs: list, sources, out, data_dir: str, wand
             if not s.exists() or s.resolve() == d.resolve(): continue
             r2, why2 = check_run(s, cfg)
             if r2 is None: log(f"[altgrad-study] not collecting {s}: {'; '.join(why2)}"); continue
-            if d.exists(): shutil.rmtree(d)                 # a finished run from a shard replaces an unfinished one here
+            if d.exists(): shutil.rmtree(d)                # a finished run from a shard replaces an unfinished one here
             shutil.copytree(s, d, ignore=shutil.ignore_patterns("checkpoints*", "wandb"))
             cache[sp.name], _ = check_run(d, cfg); res["copied"] += 1
             break
@@ -340,15 +370,17 @@ def json_safe(x):
 
 # %% ../nbs/32_study.ipynb #32a00020
 INPUTS_FILE = "study_inputs.json"
-RETIRED_DESIGN_COMMIT = "656072a"   # the last commit holding the retired first design (run_study, analyze, write_answer)
+RETIRED_DESIGN_COMMIT = "656072a"  # the last commit holding the retired first design (run_study, analyze, write_answer)
 
 def join_names(xs, n: int = 4) -> str:
     "The first `n` of `xs`, comma-separated, and how many more."
     xs = list(xs)
     return ", ".join(xs[:n]) + (f" and {len(xs) - n} more" if len(xs) > n else "")
 
+# %% ../nbs/32_study.ipynb #32a00020-model-inputs
 def model_inputs(plan: StudyPlan) -> dict:
-    "The model's shape, its parameter count, the parameters on the 8-bit grid and the tokens per run (no weights built)."
+    """The model's shape, its parameter count, the parameters on the 8-bit grid and the tokens
+    per run (no weights built)."""
     import torch
     cfg = load_config(plan.preset, **plan.overrides)
     with torch.device("meta"):
@@ -356,12 +388,15 @@ def model_inputs(plan: StudyPlan) -> dict:
                           n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias))
     n = sum(p.numel() for p in m.parameters())
     # the weights that live on the 8-bit grid: the Linear layers of the blocks (the tied embedding / LM head stays FP32)
-    grid = sum(mod.weight.numel() for name, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) and name.startswith("transformer.h."))
-    keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "lr", "min_lr", "warmup_steps", "eval_interval",
-            "eval_tokens" if cfg.eval_tokens else "eval_iters")
+    grid = sum(mod.weight.numel() for name, mod in m.named_modules()
+               if isinstance(mod, torch.nn.Linear) and name.startswith("transformer.h."))
+    keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "lr", "min_lr", "warmup_steps",
+            "eval_interval", "eval_tokens" if cfg.eval_tokens else "eval_iters")
     # the study runs every run in one process (never under torchrun), so one process's tokens per step is the whole step
-    return dict(model={k: getattr(cfg, k) for k in keys}, num_params=n, grid_params=grid, tokens=plan.steps * cfg.tokens_per_step)
+    return dict(model={k: getattr(cfg, k) for k in keys}, num_params=n, grid_params=grid,
+                tokens=plan.steps * cfg.tokens_per_step)
 
+# %% ../nbs/32_study.ipynb #32a00020-model-inputs-vocab-inputs
 def vocab_inputs(plan: StudyPlan, data) -> dict:
     """The vocabulary the study's model predicts (name, size, coverage) and the unigram baseline *on that vocabulary*
     (a compact top-K vocabulary has its own, lower baseline: the loss and the baseline must be on the same classes)."""
@@ -370,20 +405,22 @@ def vocab_inputs(plan: StudyPlan, data) -> dict:
 
 # %% ../nbs/32_study.ipynb #32h851db
 DECISIVE_RULES = ("fp32", "nearest", "stochastic", "kahan", "madam")
-ANALYSIS_SETTINGS = dict(    # how the answer reads the held-out runs; written into the study's inputs before the seed phase
-    headline="the format × grid-aware rule cell with the largest mean held-out benefit over nearest (one of m cells): its 95% "
-             "t-interval, a simultaneous (Bonferroni, 1 − 0.05/m) interval, and Holm's p over the m cells; it is 'resolved' "
-             "only when Holm's p < 0.05",
+ANALYSIS_SETTINGS = dict(    # how the answer reads the held-out runs; written into the study's
+                             # inputs before the seed phase
+    headline="the format × grid-aware rule cell with the largest mean held-out benefit over nearest (one of m cells): "
+             "its 95% t-interval, a simultaneous (Bonferroni, 1 − 0.05/m) interval, and Holm's p over the m cells; it "
+             "is 'resolved' only when Holm's p < 0.05",
     alpha=0.05, power=0.8,
-    law="x: nearest's predicted stall (share of its non-zero updates below half a grid step, mean over the run) at each "
-        "format × multiplier, mean over the tuning seeds; y: each regime's paired benefit over nearest (fp32: the master-weight "
-        "gap); one isotonic curve through all points; 'one curve' when the in-sample R² ≥ 0.7 and the leave-one-format-out RMSE "
-        "≤ 0.6 × the points' SD (an out-of-sample R² of at least 1 − 0.36·n/(n − 1): 0.62 for 21 points)",
-    correlation="Spearman across the formats of nearest's predicted stall (held-out seeds) and each rule's benefit, exact "
-                "permutation p (two-sided)")
+    law="x: nearest's predicted stall (share of its non-zero updates below half a grid step, mean over the run) at "
+        "each format × multiplier, mean over the tuning seeds; y: each regime's paired benefit over nearest (fp32: the "
+        "master-weight gap); one isotonic curve through all points; 'one curve' when the in-sample R² ≥ 0.7 and the "
+        "leave-one-format-out RMSE ≤ 0.6 × the points' SD (an out-of-sample R² of at least 1 − 0.36·n/(n − 1): 0.62 "
+        "for 21 points)",
+    correlation="Spearman across the formats of nearest's predicted stall (held-out seeds) and each rule's benefit, "
+                "exact permutation p (two-sided)")
 TUNING_SEEDS, HELDOUT_SEEDS = (42, 43, 44), (45, 46, 47, 48, 49, 50)
-CHOICE_RULE = ("per regime, the multiplier with the fewest failed tuning runs, then the lowest mean final validation loss over "
-               "every format and tuning seed; ties go to the smaller multiplier")
+CHOICE_RULE = ("per regime, the multiplier with the fewest failed tuning runs, then the lowest mean final validation "
+               "loss over every format and tuning seed; ties go to the smaller multiplier")
 
 # %% ../nbs/32_study.ipynb #4f5227a0
 @dataclass
@@ -403,21 +440,25 @@ class Protocol:
     def from_dict(cls, d: dict) -> Protocol: return cls(**d)
 
 # %% ../nbs/32_study.ipynb #ab282cd5
-def make_protocol(tuning_seeds=None, heldout_seeds=None, base_mults=None, max_extensions: int = 2, sensitivity: str | None = None) -> Protocol:
-    "Validate a `Protocol` (lists or comma-separated text; None: 42-44 tune, 45-50 measure, ×1/3, ×1, ×3, two extensions)."
+def make_protocol(tuning_seeds=None, heldout_seeds=None, base_mults=None, max_extensions: int = 2,
+                  sensitivity: str | None = None) -> Protocol:
+    """Validate a `Protocol` (lists or comma-separated text; None: 42-44 tune, 45-50 measure,
+    ×1/3, ×1, ×3, two extensions)."""
     def ints(v, default, what):
         try: return list(dict.fromkeys(int(s) for s in (_as_list(v) or default)))
         except (TypeError, ValueError): raise ConfigError(f"--{what} {v!r}: give integers such as 42,43,44") from None
     tune, held = ints(tuning_seeds, TUNING_SEEDS, "tuning-seeds"), ints(heldout_seeds, HELDOUT_SEEDS, "heldout-seeds")
-    if set(tune) & set(held): raise ConfigError(f"tuning and held-out seeds must differ; both have {sorted(set(tune) & set(held))}")
+    if set(tune) & set(held):
+        raise ConfigError(f"tuning and held-out seeds must differ; both have {sorted(set(tune) & set(held))}")
     if len(held) < 2: raise ConfigError(f"--heldout-seeds: need at least 2 held-out seeds for an interval, got {held}")
     if isinstance(max_extensions, bool) or not isinstance(max_extensions, int) or max_extensions < 0:
         raise ConfigError(f"--max-extensions must be an integer >= 0, got {max_extensions!r}")
     mults = sorted(parse_mults(base_mults)) if base_mults not in (None, "") else [1 / 3, 1.0, 3.0]
     return Protocol(tune, held, mults, 3.0, max_extensions, CHOICE_RULE, sensitivity or None)
 
-def decisive_plan(preset: str = "study", formats=None, rules=None, proto: Protocol | None = None, steps: int | None = None,
-                  shadow: bool | None = None, overrides: dict | None = None) -> StudyPlan:
+# %% ../nbs/32_study.ipynb #ab282cd5-decisive-plan
+def decisive_plan(preset: str = "study", formats=None, rules=None, proto: Protocol | None = None,
+                  steps: int | None = None, shadow: bool | None = None, overrides: dict | None = None) -> StudyPlan:
     "The `StudyPlan` of a decisive study: every format is tuned, seeds = tuning then held-out seeds."
     proto = proto or make_protocol()
     return make_plan(preset, formats, rules or DECISIVE_RULES, proto.tuning_seeds + proto.heldout_seeds, steps,
@@ -428,6 +469,7 @@ def tuning_specs(plan: StudyPlan, proto: Protocol, rule: str, mults) -> list[Run
     "The tuning runs of `rule` at `mults`: every format × tuning seed."
     return [format_spec(f, rule, s, m, "lr") for m in mults for f in plan.formats for s in proto.tuning_seeds]
 
+# %% ../nbs/32_study.ipynb #32h8cb49-choose-bracketed
 def choose_bracketed(plan: StudyPlan, proto: Protocol, rule: str, mults, losses: dict) -> dict:
     "`CHOICE_RULE` over `mults` (every tuning run in `losses`): `{'mult', 'table'}`."
     rows = {}
@@ -436,7 +478,8 @@ def choose_bracketed(plan: StudyPlan, proto: Protocol, rule: str, mults, losses:
         ok = [losses[n] for n in names if finite(losses[n])]
         rows[mult_label(m)] = dict(mult=m, mean_loss=math.fsum(ok) / len(ok) if ok else None, n=len(ok),
                                    failed=[n for n in names if not finite(losses[n])])
-    key = lambda m: (len(rows[mult_label(m)]["failed"]), rows[mult_label(m)]["mean_loss"] if rows[mult_label(m)]["mean_loss"] is not None else math.inf, m)
+    key = lambda m: (len(rows[mult_label(m)]["failed"]),
+                     rows[mult_label(m)]["mean_loss"] if rows[mult_label(m)]["mean_loss"] is not None else math.inf, m)
     return dict(mult=min(mults, key=key), table=rows)
 
 # %% ../nbs/32_study.ipynb #7c0f5732
@@ -445,13 +488,16 @@ def bracket_grid(plan: StudyPlan, proto: Protocol, rule: str, losses: dict) -> d
     `{'mults' (in order of addition), 'status': pending | bracketed | unbracketed | single, 'mult', 'table'}`."""
     mults = list(proto.base_mults)
     for k in range(proto.max_extensions + 1):
-        if any(s.name not in losses for s in tuning_specs(plan, proto, rule, mults)): return dict(mults=mults, status="pending", mult=None, table={})
+        if any(s.name not in losses for s in tuning_specs(plan, proto, rule, mults)):
+            return dict(mults=mults, status="pending", mult=None, table={})
         c = choose_bracketed(plan, proto, rule, mults, losses)
         if len(mults) == 1: return dict(mults=mults, status="single", **c)
         if min(mults) < c["mult"] < max(mults): return dict(mults=mults, status="bracketed", **c)
         if k == proto.max_extensions: return dict(mults=mults, status="unbracketed", **c)
-        mults.append(float(f"{c['mult'] * proto.extend_factor if c['mult'] == max(mults) else c['mult'] / proto.extend_factor:.6g}"))
+        mults.append(float(
+            f"{c['mult'] * proto.extend_factor if c['mult'] == max(mults) else c['mult'] / proto.extend_factor:.6g}"))
 
+# %% ../nbs/32_study.ipynb #7c0f5732-bracket-grids
 def bracket_grids(plan: StudyPlan, proto: Protocol, losses: dict) -> dict:
     "`bracket_grid` of every regime."
     return {r: bracket_grid(plan, proto, r, losses) for r in plan.rules}
@@ -462,10 +508,12 @@ def decisive_lr_specs(plan: StudyPlan, proto: Protocol, grids: dict) -> list[Run
 
 # %% ../nbs/32_study.ipynb #144a411a
 def decisive_seed_specs(plan: StudyPlan, proto: Protocol, mults: dict) -> list[RunSpec]:
-    "Held-out seeds: both references at FP32 master weights' multiplier, every format × regime at the regime's multiplier."
+    """Held-out seeds: both references at FP32 master weights' multiplier, every format × regime
+    at the regime's multiplier."""
     out = [reference_spec(s, p, mults[UPPER], "seeds") for s in proto.heldout_seeds for p in REF_PRECISIONS]
     return out + [format_spec(f, r, s, mults[r]) for s in proto.heldout_seeds for f in plan.formats for r in plan.rules]
 
+# %% ../nbs/32_study.ipynb #144a411a-decisive-choice
 def decisive_choice(grids: dict) -> dict | None:
     "The LR choice once every grid is settled (None while any is pending)."
     if any(g["status"] == "pending" for g in grids.values()): return None
@@ -478,29 +526,35 @@ def name_shard(name: str, n: int) -> int:
     import zlib
     return zlib.crc32(name.encode()) % n
 
+# %% ../nbs/32_study.ipynb #32h8e0f3-check-inputs
 def check_inputs(out, inputs: dict) -> None:
-    "Refuse a study folder whose `study_inputs.json` fixed another protocol or plan (the protocol is fixed before the seed phase)."
+    """Refuse a study folder whose `study_inputs.json` fixed another protocol or plan (the protocol is
+    fixed before the seed phase)."""
     p = Path(out) / INPUTS_FILE
     if not p.exists(): return
     try: old = json.loads(p.read_text())
     except ValueError: return
     for k in ("protocol", "plan"):
         if k in old and json_safe(old[k]) != json_safe(inputs[k]):
-            diff = [f"{q}: {old[k].get(q)!r} there, {inputs[k].get(q)!r} here" for q in inputs[k] if old[k].get(q) != inputs[k].get(q)]
-            raise ConfigError(f"{p} fixed another {k} ({'; '.join(diff) or 'different keys'}); use another --out or the same options")
+            diff = [f"{q}: {old[k].get(q)!r} there, {inputs[k].get(q)!r} here" for q in inputs[k]
+                    if old[k].get(q) != inputs[k].get(q)]
+            raise ConfigError(f"{p} fixed another {k} ({'; '.join(diff) or 'different keys'}); "
+                              f"use another --out or the same options")
 
 # %% ../nbs/32_study.ipynb #470df700
-def write_decisive_inputs(out, plan: StudyPlan, proto: Protocol, data, data_dir, choice: dict | None, step_seconds: dict | None = None) -> Path:
+def write_decisive_inputs(out, plan: StudyPlan, proto: Protocol, data, data_dir, choice: dict | None,
+                          step_seconds: dict | None = None) -> Path:
     """Write `out/study_inputs.json` for the decisive protocol (`choice`: None before the seed phase).
 
     A learning-rate choice, once written, is kept (a shard that has not seen it yet passes None) and never replaced by
     a different one: every process derives it from the same finished tuning runs, so a difference is an error."""
-    inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), **vocab_inputs(plan, data), lr_choice=json_safe(choice),
-                  analysis=ANALYSIS_SETTINGS, out=portable(out), command=decisive_command(plan, proto, portable(out), data_dir),
-                  **model_inputs(plan), expectations=list(REQUIRED_EXPECTATIONS), step_seconds=step_seconds)
+    inputs = dict(protocol=proto.to_dict(), plan=plan.to_dict(), **vocab_inputs(plan, data),
+                  lr_choice=json_safe(choice), analysis=ANALYSIS_SETTINGS, out=portable(out),
+                  command=decisive_command(plan, proto, portable(out), data_dir), **model_inputs(plan),
+                  expectations=list(REQUIRED_EXPECTATIONS), step_seconds=step_seconds)
     check_inputs(out, inputs)
     p = Path(out) / INPUTS_FILE
-    with open(Path(out) / ".study_inputs.lock", "w") as lock:     # shards share the folder: read, merge and write as one
+    with open(Path(out) / ".study_inputs.lock", "w") as lock:    # shards share the folder: read, merge and write as one
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _merge_inputs(p, inputs, choice, step_seconds)
 
@@ -510,8 +564,9 @@ def _merge_inputs(p: Path, inputs: dict, choice, step_seconds) -> Path:
     old = json.loads(p.read_text()) if p.exists() else {}
     if old.get("lr_choice") is not None:
         if choice is not None and json_safe(old["lr_choice"]["mults"]) != json_safe(choice["mults"]):
-            raise ConfigError(f"{p} fixed the learning-rate multipliers {old['lr_choice']['mults']}, the tuning runs here give "
-                              f"{choice['mults']}; the choice is fixed before the seed phase (use another --out)")
+            raise ConfigError(f"{p} fixed the learning-rate multipliers {old['lr_choice']['mults']}, "
+                              f"the tuning runs here give {choice['mults']}; "
+                              f"the choice is fixed before the seed phase (use another --out)")
         inputs["lr_choice"] = old["lr_choice"]
     if old.get("step_seconds") and not step_seconds: inputs["step_seconds"] = old["step_seconds"]
     atomic_write_text(json.dumps(json_safe(inputs), indent=1) + "\n", p)
@@ -521,10 +576,12 @@ def _merge_inputs(p: Path, inputs: dict, choice, step_seconds) -> Path:
 def decisive_command(plan: StudyPlan | dict, proto: Protocol | dict, out, data_dir: str | None = None) -> str:
     "The `altgrad-study --design decisive` command that trains (or reuses) exactly this study."
     p, q = (x if isinstance(x, dict) else x.to_dict() for x in (plan, proto))
-    a = ["altgrad-study", "--design", "decisive", "--preset", p["preset"], "--out", str(out), "--formats", ",".join(p["formats"]),
-         "--rules", ",".join(p["rules"]), "--tuning-seeds", ",".join(map(str, q["tuning_seeds"])), "--heldout-seeds",
-         ",".join(map(str, q["heldout_seeds"])), "--steps", str(p["steps"]),
-         "--lr-mults", ",".join(mult_label(m) if abs(m - round(m, 3)) < 1e-12 else str(Fraction(m).limit_denominator(1000)) for m in q["base_mults"]),
+    a = ["altgrad-study", "--design", "decisive", "--preset", p["preset"], "--out", str(out),
+         "--formats", ",".join(p["formats"]), "--rules", ",".join(p["rules"]),
+         "--tuning-seeds", ",".join(map(str, q["tuning_seeds"])),
+         "--heldout-seeds", ",".join(map(str, q["heldout_seeds"])), "--steps", str(p["steps"]),
+         "--lr-mults", ",".join(mult_label(m) if abs(m - round(m, 3)) < 1e-12
+                                else str(Fraction(m).limit_denominator(1000)) for m in q["base_mults"]),
          "--max-extensions", str(q["max_extensions"]),
          "--shadow" if p["shadow"] else "--no-shadow"]
     if q.get("sensitivity"): a += ["--sensitivity", q["sensitivity"]]
@@ -536,27 +593,34 @@ def decisive_command(plan: StudyPlan | dict, proto: Protocol | dict, out, data_d
 RUN_OVERHEAD_SECONDS = 10.0       # start-up, evaluations and writing the run folder, when not measured
 
 # %% ../nbs/32_study.ipynb #32h89bc8
-def decisive_estimate(plan: StudyPlan, proto: Protocol, step_seconds: dict, shards: int = 2, limit_hours: float = 6.0) -> dict:
-    """Runs and wall time of the decisive study: `step_seconds` has one entry per regime and `reference_fp32` / `reference_bf16`
-    (seconds per step). `{'runs', 'runs_worst', 'hours', 'hours_worst', 'over'}` (hours: wall time on `shards` processes)."""
+def decisive_estimate(plan: StudyPlan, proto: Protocol, step_seconds: dict, shards: int = 2,
+                      limit_hours: float = 6.0) -> dict:
+    """Runs and wall time of the decisive study: `step_seconds` has one entry per regime and `reference_fp32` /
+    `reference_bf16` (seconds per step). `{'runs', 'runs_worst', 'hours', 'hours_worst', 'over'}` (hours: wall time
+    on `shards` processes)."""
     miss = [k for k in [*plan.rules, *(f"reference_{p}" for p in REF_PRECISIONS)] if k not in step_seconds]
-    if miss: raise ConfigError(f"step times missing for {', '.join(miss)}; give them all (e.g. --step-seconds fp32=0.3,...)")
+    if miss:
+        raise ConfigError(f"step times missing for {', '.join(miss)}; give them all (e.g. --step-seconds fp32=0.3,...)")
     over = step_seconds.get("overhead", RUN_OVERHEAD_SECONDS)     # measured by `measure_step_seconds`
     per = lambda s: plan.steps * step_seconds[s.rule if s.fmt else f"reference_{s.precision}"] + over
     ones = {r: 1.0 for r in plan.rules}
-    base = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults)] + decisive_seed_specs(plan, proto, ones)
+    base = ([s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults)]
+            + decisive_seed_specs(plan, proto, ones))
     ext = [s for r in plan.rules for s in tuning_specs(plan, proto, r, [1.0] * proto.max_extensions)]
     sec, sec_ext = math.fsum(map(per, base)), math.fsum(map(per, ext))
     h, hw = sec / shards / 3600, (sec + sec_ext) / shards / 3600
-    return dict(runs=len(base), runs_worst=len(base) + len(ext), hours=h, hours_worst=hw, shards=shards, limit_hours=limit_hours,
-                over=hw > limit_hours, step_seconds=dict(step_seconds))
+    return dict(runs=len(base), runs_worst=len(base) + len(ext), hours=h, hours_worst=hw, shards=shards,
+                limit_hours=limit_hours, over=hw > limit_hours, step_seconds=dict(step_seconds))
 
+# %% ../nbs/32_study.ipynb #32h89bc8-estimate-text
 def estimate_text(e: dict) -> str:
     "The estimate in two lines (the second a refusal when the worst case is over the limit)."
-    s = (f"[altgrad-study] {e['runs']} runs without grid extensions, {e['runs_worst']} if every regime's grid is extended to the bound; "
-         f"about {e['hours']:.1f} h (worst case {e['hours_worst']:.1f} h) of wall time on {e['shards']} one-thread shards, from step times "
+    s = (f"[altgrad-study] {e['runs']} runs without grid extensions, {e['runs_worst']} if every regime's grid is "
+         f"extended to the bound; about {e['hours']:.1f} h (worst case {e['hours_worst']:.1f} h) of wall time on "
+         f"{e['shards']} one-thread shards, from step times "
          + ", ".join(f"{k} {v:.3g} s" for k, v in e["step_seconds"].items()))
-    return s + (f"\n[altgrad-study] over the {e['limit_hours']:g} h limit: cut regimes or the rate grid before seeds" if e["over"] else "")
+    return s + (f"\n[altgrad-study] over the {e['limit_hours']:g} h limit: cut regimes or the rate grid before seeds"
+                if e["over"] else "")
 
 # %% ../nbs/32_study.ipynb #a43cfee9
 def measure_step_seconds(plan: StudyPlan, data_dir: str, steps: int = 8, fmt: str = "E4M3") -> dict:
@@ -566,7 +630,8 @@ def measure_step_seconds(plan: StudyPlan, data_dir: str, steps: int = 8, fmt: st
     out, over = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         short = dataclasses.replace(plan, steps=steps)
-        specs = [format_spec(fmt, r, plan.seeds[0], 1.0) for r in plan.rules] + [reference_spec(plan.seeds[0], p) for p in REF_PRECISIONS]
+        specs = ([format_spec(fmt, r, plan.seeds[0], 1.0) for r in plan.rules]
+                 + [reference_spec(plan.seeds[0], p) for p in REF_PRECISIONS])
         for sp in specs:
             Trainer(spec_config(short, sp, tmp, data_dir), progress=False).fit()
             s = load_run(run_dir(tmp, sp.name)).summary
@@ -574,7 +639,10 @@ def measure_step_seconds(plan: StudyPlan, data_dir: str, steps: int = 8, fmt: st
             over.append(max(0.0, s["seconds"] - steps * s["step_time"]))
     return {**out, "overhead": float(np.median(over))}
 
+# %% ../nbs/32_study.ipynb #a43cfee9-parse-step-seconds
 def parse_step_seconds(text: str) -> dict:
     "`'fp32=0.3,nearest=0.35,...'` -> `{key: seconds}`."
     try: return {k.strip(): float(v) for k, v in (t.split("=") for t in text.split(",") if t.strip())}
-    except ValueError: raise ConfigError(f"--step-seconds {text!r}: give key=seconds pairs such as fp32=0.3,reference_bf16=0.2") from None
+    except ValueError:
+        raise ConfigError(
+            f"--step-seconds {text!r}: give key=seconds pairs such as fp32=0.3,reference_bf16=0.2") from None

@@ -11,10 +11,11 @@ from .trainer import Interrupted
 from .runs import check_run, final_loss, run_status, DONE
 from .sweep import ensure_data, portable
 from .pool import Job, JobsInterrupted, run_pool, job_env, runs_on_cpu, one_thread
-from .study import (DISTINCT_FORMATS, STUDY_RULES, StudyPlan, Protocol, parse_shard, run_dir, spec_config, execute,
-                           collect_runs, join_names, make_protocol, decisive_plan, tuning_specs, bracket_grids, decisive_lr_specs,
-                           decisive_seed_specs, decisive_choice, name_shard, write_decisive_inputs, decisive_estimate, estimate_text,
-                           measure_step_seconds, parse_step_seconds, INPUTS_FILE, RETIRED_DESIGN_COMMIT)
+from .study import (DISTINCT_FORMATS, STUDY_RULES, StudyPlan, Protocol, parse_shard, run_dir, spec_config,
+                           execute, collect_runs, join_names, make_protocol, decisive_plan, tuning_specs, bracket_grids,
+                           decisive_lr_specs, decisive_seed_specs, decisive_choice, name_shard, write_decisive_inputs,
+                           decisive_estimate, estimate_text, measure_step_seconds, parse_step_seconds, INPUTS_FILE,
+                           RETIRED_DESIGN_COMMIT)
 from .answer import report_study
 
 # %% auto #0
@@ -23,31 +24,36 @@ __all__ = ['refuse_other_design', 'run_decisive', 'check_jobs', 'study_total', '
 
 # %% ../nbs/37_study_cli.ipynb #37a00007
 def refuse_other_design(out) -> None:
-    """Refuse a study folder of the retired first design (its `study_inputs.json` has no decisive protocol; or it has runs
-    but no inputs, which a decisive study writes before any run): training it would mix runs of two protocols (both
+    """Refuse a study folder of the retired first design (its `study_inputs.json` has no decisive protocol; or it has
+    runs but no inputs, which a decisive study writes before any run): training it would mix runs of two protocols (both
     designs name runs alike) and overwrite the inputs fixed before them."""
     try: old = json.loads((Path(out) / INPUTS_FILE).read_text())
     except (OSError, ValueError):
         if any((Path(out) / "runs").glob("*/config.yaml")):
-            raise ConfigError(f"{out} holds study runs but no {INPUTS_FILE} (a study of the retired first design, or its shard, "
-                              "still training); continue it with its own command or use another --out") from None
+            raise ConfigError(f"{out} holds study runs but no {INPUTS_FILE} (a study of the retired first design, or "
+                              f"its shard, still training); continue it with its own command or use another --out"
+                              ) from None
         return
     if "protocol" in old: return
-    raise ConfigError(f"{out} holds a study of the retired first design (no decisive protocol in its {INPUTS_FILE}); its command "
-                      f"(`{old.get('command', '?')}`) needs commit {RETIRED_DESIGN_COMMIT}; use another --out")
+    raise ConfigError(f"{out} holds a study of the retired first design (no decisive protocol in its {INPUTS_FILE}); "
+                      f"its command (`{old.get('command', '?')}`) needs commit {RETIRED_DESIGN_COMMIT}; "
+                      f"use another --out")
 
 # %% ../nbs/37_study_cli.ipynb #37a00009
-def run_decisive(plan: StudyPlan, proto: Protocol, out="outputs/study", shard=None, collect=None, data_dir: str | None = None,
-                 wandb_mode: str = "disabled", log=print, share_work: bool = False) -> dict:
-    """Train (or reuse / resume / collect) the decisive study in rounds and write it; returns `{'status', 'answer', 'counts',
-    'choice'}` (`status`: 'complete', 'incomplete', 'shard-done' or 'waiting-for-lr').
-    `share_work=True` (shards sharing `out`): after its own runs a shard trains the other shards' unclaimed ones (from the
-    end of their list) and waits for those still training, so no shard idles while another has work and none stops to wait.
-    The unsharded command always waits for runs another process is training: it writes the answer, which needs every run."""
+def run_decisive(plan: StudyPlan, proto: Protocol, out="outputs/study", shard=None, collect=None,
+                 data_dir: str | None = None, wandb_mode: str = "disabled", log=print,
+                 share_work: bool = False) -> dict:
+    """Train (or reuse / resume / collect) the decisive study in rounds and write it; returns `{'status', 'answer',
+    'counts', 'choice'}` (`status`: 'complete', 'incomplete', 'shard-done' or 'waiting-for-lr').
+    `share_work=True` (shards sharing `out`): after its own runs a shard trains the other shards' unclaimed ones (from
+    the end of their list) and waits for those still training, so no shard idles while another has work and none stops
+    to wait. The unsharded command always waits for runs another process is training: it writes the answer,
+    which needs every run."""
     out = Path(out); refuse_other_design(out); out.mkdir(parents=True, exist_ok=True)
     data = ensure_data(data_dir or None, out)
     write_decisive_inputs(out, plan, proto, data, data_dir, None)      # the protocol is on disk before any run
-    cache, counts, tag = {}, dict(reused=0, trained=0, helped=0, busy=0, present=0, copied=0), f"shard {shard[0]}/{shard[1]}" if shard else "study"
+    cache, counts, tag = ({}, dict(reused=0, trained=0, helped=0, busy=0, present=0, copied=0),
+                          f"shard {shard[0]}/{shard[1]}" if shard else "study")
     def do(specs, desc):
         if collect:
             r = collect_runs(plan, specs, [Path(c) for c in collect], out, data, wandb_mode, cache, log)
@@ -66,20 +72,25 @@ def run_decisive(plan: StudyPlan, proto: Protocol, out="outputs/study", shard=No
         return {n: final_loss(r) for n, r in cache.items()}
     done = set()
     for rnd in range(proto.max_extensions + 2):
-        grids = bracket_grids(plan, proto, losses(decisive_lr_specs(plan, proto, bracket_grids(plan, proto, losses([])))))
+        grids = bracket_grids(plan, proto, losses(decisive_lr_specs(plan, proto,
+                                                                    bracket_grids(plan, proto, losses([])))))
         todo = [s for s in decisive_lr_specs(plan, proto, grids) if s.name not in done]
         if not todo: break
         do(todo, f"{tag}: tuning round {rnd + 1}"); done |= {s.name for s in todo}
     grids = bracket_grids(plan, proto, losses(decisive_lr_specs(plan, proto, grids)))
     choice = decisive_choice(grids)
     if choice is None:
-        log(f"[altgrad-study] {tag}: tuning: {counts['reused']} reused, {counts['trained']} trained, {counts['busy']} being trained elsewhere")
-        log(f"[altgrad-study] {tag}: the tuning runs of other shards are not finished yet; rerun this command (or --collect) when they are")
+        log(f"[altgrad-study] {tag}: tuning: {counts['reused']} reused, {counts['trained']} trained, {counts['busy']} "
+            f"being trained elsewhere")
+        log(f"[altgrad-study] {tag}: the tuning runs of other shards are not finished yet; rerun this command (or "
+            f"--collect) when they are")
         return dict(status="waiting-for-lr", answer=None, counts=counts, choice=None)
-    write_decisive_inputs(out, plan, proto, data, data_dir, choice)   # fixed before the seed phase (by whichever process gets here first)
+    write_decisive_inputs(out, plan, proto, data, data_dir, choice)   # fixed before the seed phase (by
+                                                                      # whichever process gets here first)
     do(decisive_seed_specs(plan, proto, choice["mults"]), f"{tag}: held-out seeds")
     log(f"[altgrad-study] {tag}: " + (f"{counts['present']} already here, {counts['copied']} collected" if collect else
-                                      f"{counts['reused']} reused, {counts['trained']} trained" + (f" ({counts['helped']} of them for other shards)" if share_work else "")
+                                      f"{counts['reused']} reused, {counts['trained']} trained"
+                                      + (f" ({counts['helped']} of them for other shards)" if share_work else "")
                                       + (f", {counts['busy']} left to another process" if counts["busy"] else "")))
     if shard:
         log(f"[altgrad-study] shard {shard[0]}/{shard[1]} done; merge with `--collect` or rerun without --shard")
@@ -94,17 +105,22 @@ def check_jobs(a) -> None:
     "Refuse `--jobs` below 1, and `--jobs N` (N > 1) with an option it sets itself or that trains nothing."
     if a.jobs < 1: raise ConfigError(f"--jobs {a.jobs}: give the number of concurrent runs, 1 or more")
     if a.jobs == 1: return
-    clash = [o for o, on in (("--shard", a.shard), ("--collect", a.collect), ("--report-only", a.report_only), ("--share-work", a.share_work)) if on]
-    if clash: raise ConfigError(f"--jobs and {clash[0]} exclude each other: --jobs N trains --out as N shards that share the work "
-                                "(--shard i/N --share-work), then writes the outputs")
+    clash = [o for o, on in (("--shard", a.shard), ("--collect", a.collect), ("--report-only", a.report_only),
+                             ("--share-work", a.share_work)) if on]
+    if clash:
+        raise ConfigError(f"--jobs and {clash[0]} exclude each other: --jobs N trains --out as N shards that share the "
+                          f"work (--shard i/N --share-work), then writes the outputs")
 
+# %% ../nbs/37_study_cli.ipynb #c0b97561-study-total
 def study_total(plan: StudyPlan, proto: Protocol) -> int:
     "About how many runs the study has (no grid extension)."
     first = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults)]
     return len(first) + len(decisive_seed_specs(plan, proto, {r: 1.0 for r in plan.rules}))
 
+# %% ../nbs/37_study_cli.ipynb #c0b97561-study-total-count-finished
 def count_finished(out, seen: set | None = None) -> int:
-    "How many run folders in `out/runs` hold a result (`altgrad.runs.run_status` in `DONE`); `seen` caches the names found so far."
+    """How many run folders in `out/runs` hold a result (`altgrad.runs.run_status` in `DONE`); `seen`
+    caches the names found so far."""
     seen = set() if seen is None else seen
     for p in (Path(out) / "runs").glob("*/summary.json"):
         if p.parent.name in seen: continue
@@ -113,10 +129,13 @@ def count_finished(out, seen: set | None = None) -> int:
 
 # %% ../nbs/37_study_cli.ipynb #0084d547
 def shard_commands(argv, n: int) -> list[list[str]]:
-    "The N processes of `--jobs N`: this command (`argv`) as shard i/N sharing the work (the last `--jobs` given counts)."
-    exe = [sys.executable, "-c", "import sys; from altgrad.study_cli import study_cli; sys.exit(study_cli(sys.argv[1:]))"]
+    """The N processes of `--jobs N`: this command (`argv`) as shard i/N sharing the work (the
+    last `--jobs` given counts)."""
+    exe = [sys.executable, "-c",
+           "import sys; from altgrad.study_cli import study_cli; sys.exit(study_cli(sys.argv[1:]))"]
     return [exe + [*map(str, argv), "--jobs", "1", "--shard", f"{i}/{n}", "--share-work"] for i in range(n)]
 
+# %% ../nbs/37_study_cli.ipynb #0084d547-run-jobs
 def run_jobs(argv, n: int, out, cpu: bool, total: int = 0) -> dict:
     """Train the study folder `out` in `n` processes (`shard_commands`; one thread each on CPU), their output in
     `out/.jobs/shard-<i>.log`, with a progress bar over finished runs (of about `total`); returns `{shard: exit code}`.
@@ -125,13 +144,15 @@ def run_jobs(argv, n: int, out, cpu: bool, total: int = 0) -> dict:
     def count():
         if time.time() - last[0] > 2: last[:] = [time.time(), count_finished(out, seen)]     # reread every 2 s at most
         return last[1], max(total, last[1])
-    jobs = [Job(f"shard {i}/{n}", cmd, out / ".jobs" / f"shard-{i}.log") for i, cmd in enumerate(shard_commands(argv, n))]
+    jobs = [Job(f"shard {i}/{n}", cmd, out / ".jobs" / f"shard-{i}.log")
+            for i, cmd in enumerate(shard_commands(argv, n))]
     return run_pool(jobs, n, job_env(cpu), count=count, desc="study runs finished", prefix="[altgrad-study]", poll=0.5)
 
 # %% ../nbs/37_study_cli.ipynb #012706da
 def train_in_jobs(a, argv, plan: StudyPlan, total: int) -> int | None:
-    """`--jobs N` (parsed options `a`): train the study in N processes (`run_jobs`) before the unsharded command writes it;
-    an exit code (130 / 143) when interrupted, else None (a failed process is named; what it left is trained unsharded)."""
+    """`--jobs N` (parsed options `a`): train the study in N processes (`run_jobs`) before the unsharded command writes
+    it; an exit code (130 / 143) when interrupted, else None (a failed process is named; what it left
+    is trained unsharded)."""
     refuse_other_design(a.out)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     ensure_data(a.data_dir or None, a.out)              # prepared here once, not by N processes at once
@@ -141,22 +162,28 @@ def train_in_jobs(a, argv, plan: StudyPlan, total: int) -> int | None:
           + f"; their logs in {portable(Path(a.out) / '.jobs')}", flush=True)
     try: rcs = run_jobs(argv, a.jobs, a.out, cpu, total)
     except JobsInterrupted as e:
-        print("[altgrad-study] interrupted: every shard stopped (finished runs are kept, an interrupted one keeps its checkpoint); "
-              "rerun the same command to resume", file=sys.stderr)
+        print("[altgrad-study] interrupted: every shard stopped (finished runs are kept, an interrupted one keeps its "
+              "checkpoint); rerun the same command to resume", file=sys.stderr)
         return e.exit_code
     bad = [k for k, rc in rcs.items() if rc]
-    if bad: print(f"[altgrad-study] {', '.join(bad)} failed (see the line above); this command trains what is left", flush=True)
+    if bad:
+        print(f"[altgrad-study] {', '.join(bad)} failed (see the line above); this command trains what is left",
+              flush=True)
     return None
 
 # %% ../nbs/37_study_cli.ipynb #37a00011
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="altgrad-study", description="The decisive study: formats × update rules × seeds with "
-                                "references, learning rates tuned on tuning seeds and measured on held-out seeds; writes "
-                                "OUT/answer.md, OUT/study.json and OUT/figures/.")
+    p = argparse.ArgumentParser(prog="altgrad-study",
+                                description="The decisive study: formats × update rules × seeds with "
+                                "references, learning rates tuned on tuning seeds and measured on held-out seeds; "
+                                "writes OUT/answer.md, OUT/study.json and OUT/figures/.")
     p.add_argument("--preset", default="study", help="study (default), cpu, gpu, smoke, auto, or a YAML config")
     p.add_argument("--out", default="outputs/study")
-    p.add_argument("--formats", help=f"comma-separated (default: {','.join(DISTINCT_FORMATS)}; grid-equivalent ones are dropped)")
-    p.add_argument("--rules", help=f"comma-separated regimes of altgrad.regimes (default: {','.join(STUDY_RULES)}; fp32 and nearest always run)")
+    p.add_argument("--formats",
+                   help=f"comma-separated (default: {','.join(DISTINCT_FORMATS)}; grid-equivalent ones are dropped)")
+    p.add_argument("--rules",
+                   help=f"comma-separated regimes of altgrad.regimes (default: {','.join(STUDY_RULES)}; fp32 and "
+                        f"nearest always run)")
     p.add_argument("--steps", type=int, help="steps per run (default: the preset's study default, cpu: 120)")
     p.add_argument("--lr-mults", help="learning-rate multipliers of each rule's default, e.g. 1/3,1,3")
     g = p.add_mutually_exclusive_group()
@@ -166,28 +193,41 @@ def _parser() -> argparse.ArgumentParser:
     h = p.add_mutually_exclusive_group()
     h.add_argument("--shard", help="i/n: train only shard i's runs (a run's shard: a stable hash "
                    "of its name, mod n; altgrad.study.name_shard), then merge with --collect")
-    h.add_argument("--collect", nargs="+", metavar="DIR", help="merge the runs of these shard folders into --out (no training), then write the outputs")
-    h.add_argument("--report-only", action="store_true", help="rewrite answer.md, study.json and the figures from the run folders in --out alone")
-    p.add_argument("--share-work", action="store_true", help="with --shard, shards sharing one --out: after its own runs a shard trains "
-                   "the others' unclaimed ones and waits for those still training (each run is claimed with a lock in OUT/.claims)")
-    p.add_argument("--jobs", type=int, default=1, metavar="N", help="concurrent runs (default 1: one after another): N processes "
-                   "of this command share --out, each with --shard i/N --share-work (every run is claimed by one of them; one that has "
-                   "finished its share trains the others' unclaimed runs), on CPU with one thread each (OMP_NUM_THREADS=1: N processes "
-                   "for N cores), their logs in OUT/.jobs/; then this command writes the outputs. Ctrl-C stops them all at a checkpoint: "
-                   "rerun the same command to resume")
-    p.add_argument("--data-dir", default=None, help="prepared EurLex folder (default: OUT/_data/eurlex from the shared sample)")
+    h.add_argument("--collect", nargs="+", metavar="DIR",
+                   help="merge the runs of these shard folders into --out (no training), then write the outputs")
+    h.add_argument("--report-only", action="store_true",
+                   help="rewrite answer.md, study.json and the figures from the run folders in --out alone")
+    p.add_argument("--share-work", action="store_true",
+                   help="with --shard, shards sharing one --out: after its own runs a shard trains "
+                   "the others' unclaimed ones and waits for those still training (each run is claimed with a lock in "
+                   "OUT/.claims)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="concurrent runs (default 1: one after another): N processes "
+                   "of this command share --out, each with --shard i/N --share-work (every run is claimed by one of "
+                   "them; one that has finished its share trains the others' unclaimed runs), on CPU with one thread "
+                   "each (OMP_NUM_THREADS=1: N processes for N cores), their logs in OUT/.jobs/; then this command "
+                   "writes the outputs. Ctrl-C stops them all at a checkpoint: rerun the same command to resume")
+    p.add_argument("--data-dir", default=None,
+                   help="prepared EurLex folder (default: OUT/_data/eurlex from the shared sample)")
     p.add_argument("--wandb-mode", default="disabled")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another TrainConfig override for every run, e.g. eval_iters=20")
-    p.add_argument("--dry-run", action="store_true", help="print the runs of this invocation and the estimated time; train nothing")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="another TrainConfig override for every run, e.g. eval_iters=20")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the runs of this invocation and the estimated time; train nothing")
     d = p.add_argument_group("the decisive protocol")
-    d.add_argument("--design", choices=("decisive",), default="decisive", help="the only design (the retired first design, "
+    d.add_argument("--design", choices=("decisive",), default="decisive",
+                   help="the only design (the retired first design, "
                    f"legacy, is in commit {RETIRED_DESIGN_COMMIT}); accepted so that recorded commands run")
     d.add_argument("--tuning-seeds", help="seeds that only choose the learning rate (default: 42,43,44)")
     d.add_argument("--heldout-seeds", help="seeds of every statistic (default: 45,...,50)")
-    d.add_argument("--max-extensions", type=int, default=2, help="how often a regime's rate grid may be extended by x3 beyond an edge (default 2)")
+    d.add_argument("--max-extensions", type=int, default=2,
+                   help="how often a regime's rate grid may be extended by x3 beyond an edge (default 2)")
     d.add_argument("--sensitivity", help="label this study a sensitivity run (its answer is never the headline)")
-    d.add_argument("--estimate", action="store_true", help="print the runs and the wall time of the whole study; exit 1 over --limit-hours")
-    d.add_argument("--step-seconds", help="per-step seconds for --estimate, e.g. fp32=0.3,nearest=0.35,...,reference_fp32=0.2,reference_bf16=0.2 "
+    d.add_argument("--estimate", action="store_true",
+                   help="print the runs and the wall time of the whole study; exit 1 over --limit-hours")
+    d.add_argument("--step-seconds",
+                   help="per-step seconds for --estimate, e.g. "
+                        "fp32=0.3,nearest=0.35,...,reference_fp32=0.2,reference_bf16=0.2 "
                    "(default: measured by a short run of each regime)")
     d.add_argument("--shards", type=int, default=2, help="parallel one-thread processes for --estimate (default 2)")
     d.add_argument("--limit-hours", type=float, default=6.0, help="wall-time limit for --estimate (default 6)")
@@ -200,13 +240,17 @@ def _decisive_cli(a, ov, argv=()) -> int:
     plan = decisive_plan(a.preset, a.formats, a.rules, proto, a.steps, a.shadow, ov)
     sh = parse_shard(a.shard) if a.shard else None
     if a.dry_run:
-        first = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults) if not sh or name_shard(s.name, sh[1]) == sh[0]]
-        print(f"{len(first)} runs in the first tuning round" + (f" of shard {a.shard}" if sh else "") + ": " + join_names([s.name for s in first], 8)
-              + f"; then up to {proto.max_extensions} grid extensions and {len(decisive_seed_specs(plan, proto, {r: 1.0 for r in plan.rules}))} "
+        first = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults)
+                 if not sh or name_shard(s.name, sh[1]) == sh[0]]
+        print(f"{len(first)} runs in the first tuning round" + (f" of shard {a.shard}" if sh else "") + ": "
+              + join_names([s.name for s in first], 8)
+              + f"; then up to {proto.max_extensions} grid extensions and "
+                f"{len(decisive_seed_specs(plan, proto, {r: 1.0 for r in plan.rules}))} "
               "held-out runs (use --estimate for the time)")
         return 0
     if a.estimate:
-        secs = parse_step_seconds(a.step_seconds) if a.step_seconds else measure_step_seconds(plan, ensure_data(a.data_dir, a.out))
+        secs = (parse_step_seconds(a.step_seconds) if a.step_seconds
+                else measure_step_seconds(plan, ensure_data(a.data_dir, a.out)))
         e = decisive_estimate(plan, proto, secs, a.shards, a.limit_hours)
         print(estimate_text(e)); return 1 if e["over"] else 0
     if a.share_work and not sh: raise ConfigError("--share-work goes with --shard i/n (shards sharing one --out)")
@@ -220,7 +264,8 @@ def _decisive_cli(a, ov, argv=()) -> int:
 
 # %% ../nbs/37_study_cli.ipynb #b42bbcc6
 def study_cli(argv: list[str] | None = None) -> int:
-    "`altgrad-study --preset study --out outputs/study [--formats ..] [--rules ..] [--steps N] [--shard i/n | --collect DIR ..] [--report-only] [--jobs N]`"
+    """`altgrad-study --preset study --out outputs/study [--formats ..] [--rules ..] [--steps N] [--shard i/n |
+    --collect DIR ..] [--report-only] [--jobs N]`"""
     argv = sys.argv[1:] if argv is None else [str(x) for x in argv]
     a = _parser().parse_args(argv)
     try:
