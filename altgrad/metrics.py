@@ -10,8 +10,9 @@ from torch import nn
 from .diagnostics import DeadNeuronTracker, grad_stats_batch, zero_update_count
 
 # %% auto #0
-__all__ = ['HostRead', 'queue_gradient_metrics', 'gradient_metrics', 'snapshot_params', 'zero_update_metrics',
-           'queue_zero_update_metrics', 'nonfinite_sources', 'queue_nonfinite_sources', 'DivergenceDetector']
+__all__ = ['HostRead', 'update_dead_neurons', 'queue_gradient_metrics', 'gradient_metrics', 'snapshot_params',
+           'zero_update_metrics', 'queue_zero_update_metrics', 'nonfinite_sources', 'queue_nonfinite_sources',
+           'DivergenceDetector']
 
 # %% ../nbs/14_metrics.ipynb #9e251fea
 class HostRead:
@@ -49,16 +50,23 @@ def _pairs(named_params) -> list[tuple[str, torch.Tensor]]:
     elif isinstance(named_params, dict): named_params = named_params.items()
     return list(named_params)
 
+def update_dead_neurons(dead: DeadNeuronTracker, named_params) -> list[tuple[str, torch.Tensor]]:
+    """Feed this step's 2-D gradients to `dead` (their quiet streaks advance) and return `[(name, dead fraction)]` as
+    device tensors. The trainer calls it on the steps whose statistics it skips, so that the streaks see every step."""
+    grads = [(n, p.grad) for n, p in _pairs(named_params) if p.grad is not None and p.grad.dim() == 2]
+    return [(n, dead.update_tensor(n, g)) for n, g in grads]
+
 # %% ../nbs/14_metrics.ipynb #45708e8e
 def queue_gradient_metrics(reads: HostRead, named_params, dead: DeadNeuronTracker | None = None, small: float = 1e-8):
     "Queue `gradient_metrics` on `reads`: the statistics computed now, on the device; their dict comes with the read."
-    items = [(n, p.grad) for n, p in _pairs(named_params) if p.grad is not None]
+    pairs = _pairs(named_params)
+    items = [(n, p.grad) for n, p in pairs if p.grad is not None]
     if not items: return reads.add(torch.zeros(0), lambda _: {})
     stats = grad_stats_batch([g for _, g in items], small)                    # [P, 4], no sync
     dev = stats.device
-    dead_items = [(n, g) for n, g in items if g.dim() == 2] if dead is not None else []
+    dead_items = update_dead_neurons(dead, pairs) if dead is not None else []
     dead_names = [n for n, _ in dead_items]
-    dead_vals = [dead.update_tensor(n, g).to(dev) for n, g in dead_items]
+    dead_vals = [v.to(dev) for _, v in dead_items]
     totals = torch.stack([stats[:, 0].double().square().sum().sqrt().float(), stats[:, 1].max()])
     flat = torch.cat([stats.reshape(-1), torch.stack(dead_vals) if dead_vals else stats.new_zeros(0), totals])
     def build(flat):

@@ -28,7 +28,7 @@ from .block_gemm import (is_block_format, block_layer, block_layers, grid_block_
 __all__ = ['SCALINGS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer', 'QuantizedLinear',
            'LayerFormat', 'quantize_model', 'quantize_model_from_config', 'quantized_layers', 'commit_amax',
            'set_distributed', 'set_accumulation', 'pending_amax', 'load_pending_amax', 'quant_metrics',
-           'queue_quant_metrics', 'quant_histograms']
+           'reset_quant_metrics', 'queue_quant_metrics', 'quant_histograms']
 
 # %% ../nbs/20_quantized.ipynb #5b149faf
 SCALINGS = ("delayed", "current")
@@ -619,6 +619,18 @@ def quant_metrics(model: nn.Module, block: bool = True) -> dict:
     return queue_quant_metrics(HostRead(), model, block).metrics()
 
 # %% ../nbs/20_quantized.ipynb #292d207b
+def _reset_quant_metrics(layers, grid):
+    "Zero the range and clip counts, and drop the last step's update statistics and decay term, of these layers."
+    for _, m in layers:
+        for q in m.quantizers().values(): q.reset_counts()
+        m._stall = None; m._decay = None; m._clipped.zero_()
+    for _, m in grid: m._stall = None; m._decay = None
+
+def reset_quant_metrics(model: nn.Module):
+    """What `queue_quant_metrics` does after taking the statistics, without taking them: the trainer calls it on the
+    steps it does not measure (`log_interval` > 1), so that each logged step reports its own step, as it does today."""
+    _reset_quant_metrics(quantized_layers(model), grid_block_layers(model))
+
 def queue_quant_metrics(reads: HostRead, model: nn.Module, block: bool = True) -> HostRead:
     """Queue `quant_metrics` on `reads`: the counts and statistics are taken (copied) and reset now, read with the step.
     `block=False` leaves out the block layers' diagnostics (the trainer computes them on the steps it logs only)."""
@@ -655,10 +667,7 @@ def queue_quant_metrics(reads: HostRead, model: nn.Module, block: bool = True) -
     vals = torch.stack([r.to(dev, torch.float64) for r in rows]) if rows else torch.zeros(0, 3, dtype=torch.float64,
                                                                                           device=dev)
     sums = torch.stack([v.to(dev) for *_, v in upd]) if upd else torch.zeros(0, len(STAT_FIELDS), device=dev)
-    for _, m in layers:                                   # (the stacks above are copies: reset now)
-        for q in m.quantizers().values(): q.reset_counts()
-        m._stall = None; m._decay = None; m._clipped.zero_()
-    for _, m in grid: m._stall = None; m._decay = None
+    _reset_quant_metrics(layers, grid)                    # (the stacks above are copies: reset now)
     nv, nt, F = vals.numel(), totals.numel(), len(STAT_FIELDS)
     def build(flat):
         for j, i in enumerate(summed): meta[i] = (meta[i][0], meta[i][1], int(flat[nv + j]), meta[i][3])

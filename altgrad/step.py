@@ -33,7 +33,8 @@ def quant_pre_step(model: nn.Module, snapshot: dict[str, torch.Tensor] | None = 
         m._snapshot = before if before is not None and before.shape == m.weight.shape else m.weight.detach().clone()
 
 # %% ../nbs/24_step.ipynb #bed93994
-def _land(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant: torch.Tensor | None):
+def _land(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant: torch.Tensor | None,
+          measure: bool = True):
     """Land `before + u` on layer `m`'s grid by its landing: new scale, weight, residual, amax; then the step's
     statistics."""
     q, w = m.qw, m.weight
@@ -52,8 +53,8 @@ def _land(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant
     se = expand_scale(s_old, w, q.granularity, q.block_size)
     prev = m.w_prev if m.w_prev.shape == w.shape else None
     us = u if meant is None else meant.detach().float()                # the update the optimizer meant
-    m._stall = update_stats(before, us, w_new, q.qfmt, se, w_prev2=prev, residual=c)
-    if c_decay: m._decay = _decay_kept(m, before, sn, c_decay)
+    if measure: m._stall = update_stats(before, us, w_new, q.qfmt, se, w_prev2=prev, residual=c)
+    if c_decay and measure: m._decay = _decay_kept(m, before, sn, c_decay)
     m._last_update = (before, us, se)
     m.w_prev = before
     m.updates += 1; m._updates_n += 1
@@ -70,7 +71,8 @@ def _decay_kept(m, before: torch.Tensor, sn: torch.Tensor, c_decay: float, fmt=N
     return torch.stack([(dl * d).sum(dtype=torch.float64), (d * d).sum(dtype=torch.float64)])
 
 # %% ../nbs/24_step.ipynb #2f748429
-def _land_block(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant: torch.Tensor | None):
+def _land_block(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None, meant: torch.Tensor | None,
+                measure: bool = True):
     """`_land` for a block layer: `before + u` lands on its block grid (`land_block`); statistics against each weight's
     block ulp."""
     w, r, landing = m.weight, m.config.recipe, LANDINGS[m.weight_update]
@@ -83,8 +85,8 @@ def _land_block(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None,
     se, fmt = block_grid_scale(before, r), block_grid_format(r)          # the grid `before` lives on
     prev = m.w_prev if m.w_prev.shape == w.shape else None
     us = u if meant is None else meant.detach().float()
-    m._stall = update_stats(before, us, w_new, fmt, se, w_prev2=prev, residual=c)
-    if c_decay: m._decay = _decay_kept(m, before, block_grid_scale(before.float() + u, r), c_decay, fmt)
+    if measure: m._stall = update_stats(before, us, w_new, fmt, se, w_prev2=prev, residual=c)
+    if c_decay and measure: m._decay = _decay_kept(m, before, block_grid_scale(before.float() + u, r), c_decay, fmt)
     m._last_update = (before, us, se)
     m.w_prev = before
     m.updates += 1; m._updates_n += 1
@@ -94,23 +96,23 @@ def _store_block_residual(c: torch.Tensor, dtype: str, recipe) -> torch.Tensor:
     return quantize_blocks(c, recipe, weight=True).values if dtype == "format" else store_residual(c, dtype, None)
 
 # %% ../nbs/24_step.ipynb #14544afa
-def _measure_view(m, before: torch.Tensor, u: torch.Tensor):
+def _measure_view(m, before: torch.Tensor, u: torch.Tensor, measure: bool = True):
     "FP32 master weights: the stored weight's fidelity and the stall of the 8-bit view the forward uses."
     q, w = m.qw, m.weight
     se = expand_scale(q.scale, w, q.granularity, q.block_size)
-    m._stall = update_stats(before, u, w.detach(), q.qfmt, se, view_stall=True)
+    if measure: m._stall = update_stats(before, u, w.detach(), q.qfmt, se, view_stall=True)
     m._last_update = (before, u, se)
 
 # %% ../nbs/24_step.ipynb #c00c3b08
 @torch.no_grad()
-def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict | None = None) -> dict:
+def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict | None = None,
+                    measure: bool = True) -> dict:
     """After `optimizer.step()`: land the weights on the grid (`master_weights='format'`) and measure the update.
 
     The optimizer proposed `u = w - w_before` (FP32). With weights on the grid, the new scale comes from the *updated*
     weight (`grid.regrid_scale`: kept while T/4 < amax*s <= T + ulp(T)/2, else moved by a power of two into (T/2, T]),
     `w_before + u` lands on that grid by the layer's landing, `weight_update` (`grid.land`), and the new amax goes into
-    the
-    W quantizer's history. Every layer then records `grid.update_stats` of the step: measured stall (the quantized
+    the W quantizer's history. Every layer then records `grid.update_stats` of the step: measured stall (the quantized
     weight did not change; with FP32 master weights, under the scale the last forward used), `r = |u|/ulp`, fidelity
     of the stored weight, flip-back, zero/subnormal codes and the landing's residual.
 
@@ -124,18 +126,20 @@ def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict 
 
     Block layers whose weights live on their block grid (`block_gemm.grid_block_layers`) land the same way, per
     block (`_land_block`): the block scales follow the landed weights, and the statistics use each weight's block ulp.
-    Returns {}."""
+
+    `measure=False` lands exactly as above but leaves out the statistics and the decay term's fidelity (a step the
+    trainer does not log, `log_interval` > 1): nothing they compute feeds back into training. Returns {}."""
     for _, m in quantized_layers(model):
         before, m._snapshot = m._snapshot, None
         if before is None: continue
         u = m.weight.detach().float() - before.float()
-        if m.on_grid: _land(m, before, u, (decay or {}).get(m.weight), (intended or {}).get(m.weight))
-        elif m.qw.scale.numel(): _measure_view(m, before, u)
+        if m.on_grid: _land(m, before, u, (decay or {}).get(m.weight), (intended or {}).get(m.weight), measure)
+        elif m.qw.scale.numel(): _measure_view(m, before, u, measure)
     for _, m in grid_block_layers(model):
         before, m._snapshot = m._snapshot, None
         if before is None or not m.on_grid: continue
         u = m.weight.detach().float() - before.float()
-        _land_block(m, before, u, (decay or {}).get(m.weight), (intended or {}).get(m.weight))
+        _land_block(m, before, u, (decay or {}).get(m.weight), (intended or {}).get(m.weight), measure)
     return {}
 
 # %% ../nbs/24_step.ipynb #33b90906
@@ -164,15 +168,16 @@ class GridStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec):
         self.model, self.optimizer, self.spec = model, optimizer, spec
 
-    def step(self, snapshot: dict | None = None):
+    def step(self, snapshot: dict | None = None, measure: bool = True):
         """Snapshot, the base optimizer's step, the landing (with the decay term and the step's statistics), the
-        hand-back."""
+        hand-back. `measure=False`: the same step without its statistics (`quant_post_step`)."""
         quant_pre_step(self.model, snapshot)
         self.optimizer.step()
         # (a label for `layer_time_share`; free otherwise)
         with torch.profiler.record_function("altgrad.quant_post_step"):
             meant = self.spec.intended                   # an optimizer that lands on the grid itself says what it meant
-            quant_post_step(self.model, decay_factors(self.optimizer, self.spec), meant and meant(self.optimizer))
+            quant_post_step(self.model, decay_factors(self.optimizer, self.spec), meant and meant(self.optimizer),
+                            measure)
         absorb_landing_errors(self.model, self.optimizer, self.spec)
 
     def __repr__(self):

@@ -23,8 +23,8 @@ from .notice import notice
 from .runs import DONE, read_json, run_files, run_status, config_reasons
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, atomic_write_text
 from .shadow import FP32ShadowModel, rng_snapshot
-from .metrics import (HostRead, queue_gradient_metrics, snapshot_params, queue_zero_update_metrics,
-                             queue_nonfinite_sources, DivergenceDetector)
+from .metrics import (HostRead, queue_gradient_metrics, update_dead_neurons, snapshot_params,
+                             queue_zero_update_metrics, queue_nonfinite_sources, DivergenceDetector)
 from .diagnostics import DeadNeuronTracker
 from .optim import build_optimizer, default_lr_scale, get_optimizer
 from . import quantized
@@ -264,6 +264,21 @@ def logs_step(self: Trainer, step: int, skipped: bool = False) -> bool:
     cfg = self.cfg
     return step % cfg.log_interval == 0 or step >= cfg.max_steps or step % cfg.eval_interval == 0 or skipped
 
+# %% ../nbs/26_trainer.ipynb #74ae333f
+@patch
+def measures_step(self: Trainer, step: int) -> bool:
+    """Whether `train_step` computes `step`'s statistics (gradient statistics, shadow cosine, zero updates, range
+    counts, stall, r, rho, decay): on the steps `fit` logs, and on every step when interventions watch them. A step
+    that turns out skipped is measured after all. The others train the same (their statistics feed nothing back)."""
+    return self.interventions is not None or self.logs_step(step)
+
+@patch
+def queue_gradient_stats(self: Trainer, reads: HostRead) -> HostRead:
+    "Queue the gradient statistics (dead neurons included) and the FP32 shadow's cosines on `reads`."
+    queue_gradient_metrics(reads, self.model.named_parameters(), dead=self.dead)
+    if self.shadow is not None: self.shadow.queue_cosine(reads, self.model)
+    return reads
+
 # %% ../nbs/26_trainer.ipynb #58fbc5f0
 def _block_key(key: str, names: set, overflow_max: bool) -> bool:
     "Whether metric `key` is a block layer's diagnostic (`<figure>/<layer>/<operand>` of a layer in `names`)."
@@ -317,20 +332,23 @@ def train_step(self: Trainer) -> dict:
     quantized.commit_amax(model)                                  # (ranks: one max all-reduce of all amaxes)
     if self.fault is not None: self.fault(step, model)
 
+    measure = self.measures_step(step)     # the step's statistics: on the steps `fit` logs (`log_interval`)
     pre, post = HostRead(), HostRead()     # the step's statistics stay on the device until one of these two reads
     queue_nonfinite_sources(pre.add(loss, lambda v: v[0]), loss, model.named_parameters())
-    queue_gradient_metrics(pre, model.named_parameters(), dead=self.dead)
-    if self.shadow is not None: self.shadow.queue_cosine(pre, model)
+    if measure: self.queue_gradient_stats(pre)
     loss_v, src, *parts = pre.read()       # read 1 of 2: whether the step is finite decides whether the optimizer steps
-    m = {k: v for p in parts for k, v in p.items()}
-    if self.shadow is not None: m.update(quantized_cosine(m, model))
     finite = not src["loss"] and not src["grads"]
     if self.world > 1: finite = all_true(finite, self.device)    # one rank's NaN skips the step everywhere
+    if not measure and not finite:         # a skipped step is logged: its gradient statistics after all (a 2nd read)
+        measure, parts = True, self.queue_gradient_stats(HostRead()).read()
+    elif not measure and self.dead is not None: update_dead_neurons(self.dead, model.named_parameters())
+    m = {k: v for p in parts for k, v in p.items()}
+    if self.shadow is not None and measure: m.update(quantized_cosine(m, model))
     if finite:
-        before = snapshot_params(model)
+        before = snapshot_params(model) if measure else None     # (unmeasured: the 8-bit layers snapshot their own)
         if cfg.grad_clip > 0: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        self.grid_step.step(before)            # snapshot, optimizer.step(), landing, statistics (altgrad.step)
-        queue_zero_update_metrics(post, before, dict(model.named_parameters()))
+        self.grid_step.step(before, measure)   # snapshot, optimizer.step(), landing, statistics (altgrad.step)
+        if measure: queue_zero_update_metrics(post, before, dict(model.named_parameters()))
         self.nan_streak = 0
     else:
         self.nan_sources = src
@@ -339,7 +357,8 @@ def train_step(self: Trainer) -> dict:
                   "nan/source": "loss" if src["loss"] else (src["grads"][-1] if src["grads"] else "unknown")})
     self.optimizer.zero_grad(set_to_none=True)
     with torch.profiler.record_function("altgrad.quant_metrics"):     # block diagnostics: on the steps `fit` logs only
-        quantized.queue_quant_metrics(post, model, block=self.logs_step(step, not finite))
+        if measure: quantized.queue_quant_metrics(post, model, block=self.logs_step(step, not finite))
+        else: quantized.reset_quant_metrics(model)
     m.update(post.metrics())               # read 2 of 2: the step's statistics after the optimizer step
     m.update({"train/loss": loss_v, "train/lr": lr, "train/tokens": step * self.tokens_per_step,
               "train/skipped": float(not finite)})
