@@ -282,7 +282,7 @@ def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, 
     return dict(preset=preset, fmt=fmt, steps=steps, **_env(device),
                 tokens_per_step=tps, step_time=med, mean_step_time={k: statistics.mean(v) for k, v in times.items()},
                 tokens_per_sec={k: tps / v for k, v in med.items()}, ratio=ratio, **goal, **util,
-                **({"profile": prof} if prof else {}))
+                **({"profile": prof} if prof else {}), **({"overrides": overrides} if overrides else {}))
 
 # %% ../nbs/27_bench.ipynb #d7b2e9d0
 def peak_matmul_tflops(device: str = "cuda", n: int = 8192, dtype: torch.dtype = torch.bfloat16,
@@ -384,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="without --rules: also block recipes (e.g. mxfp8), each timed against --fmt's step")
     t.add_argument("--device", default=None,
                    help="cpu, cuda, cuda:N (default: the preset's, auto = CUDA when there is one)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="without --rules: TrainConfig override of every trainer (repeatable), e.g. log_interval=10")
     j = sub.add_parser("jobs", help="runs per hour against concurrent runs per device; the knee is --jobs' default",
                        parents=[strict])
     j.add_argument("--preset", default="gpu")
@@ -418,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         try: recipes = [get_recipe(n.strip()).name for n in a.recipes.split(",") if n.strip()]
         except KeyError as e: p.error(f"--recipes: {e.args[0]}")
         res = bench_train(**dev, preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup,
-                          profile=a.profile, shadow=not a.no_shadow, compiled=a.compiled, recipes=recipes)
+                          profile=a.profile, shadow=not a.no_shadow, compiled=a.compiled, recipes=recipes,
+                          **parse_overrides(a.set))
     print(json.dumps(res, indent=1))
     missed = unmet_goals(res)
     if a.strict and missed:

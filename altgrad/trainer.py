@@ -264,7 +264,7 @@ def logs_step(self: Trainer, step: int, skipped: bool = False) -> bool:
     cfg = self.cfg
     return step % cfg.log_interval == 0 or step >= cfg.max_steps or step % cfg.eval_interval == 0 or skipped
 
-# %% ../nbs/26_trainer.ipynb #74ae333f
+# %% ../nbs/26_trainer.ipynb #e2c44f3d
 @patch
 def measures_step(self: Trainer, step: int) -> bool:
     """Whether `train_step` computes `step`'s statistics (gradient statistics, shadow cosine, zero updates, range
