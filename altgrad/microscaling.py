@@ -4,12 +4,13 @@
 
 # %% ../nbs/07_microscaling.ipynb #4913c73e
 from __future__ import annotations
-import math
+import math, types
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 import torch
 from .formats import (get_format, quantize, to_bits, compile_kernel, _compile_broken, _kernel_params,
-                             _kernel_nearest, _kernel_stochastic, _draw_seed)
+                             _kernel_nearest, _kernel_stochastic, _draw_seed, _tensor_params,
+                             _want_compiled)
 from .notice import notice
 
 # %% auto #0
@@ -165,16 +166,20 @@ class Blocked(NamedTuple):
 
 _ARGS: dict = {}
 
-def _block_args(r: BlockRecipe, device) -> dict:
-    "Everything `_block_kernel` needs to know of recipe `r`, as constants (cached per recipe and device)."
-    key = (r, str(device))
+def _block_args(r: BlockRecipe, device, tensors: bool = False) -> dict:
+    """Everything `_block_kernel` needs to know of recipe `r`, as constants (cached per recipe and device): Python
+    numbers for the eager kernel; with `tensors`, every number a 0-d tensor, as the compiled kernel needs them."""
+    key = (r, str(device), tensors)
     if key not in _ARGS:
         fmt = get_format(r.elem)
-        a = dict(rounding=r.scale_rounding if r.scale == "UE8M0" else None, mx=fmt.max_value, emax=_emax(fmt),
-                 man=fmt.man_bits, ep=_fmt_args(fmt, device), tensor_scale=r.tensor_scale,
+        num = lambda v: torch.tensor(v, device=device, dtype=torch.float32 if isinstance(v, float) else torch.int32)
+        if not tensors: num = lambda v: v
+        ep = (lambda f: _tensor_params(f, device)) if tensors else (lambda f: _fmt_args(f, device))
+        a = dict(rounding=r.scale_rounding if r.scale == "UE8M0" else None, mx=num(fmt.max_value),
+                 emax=num(_emax(fmt)), man=num(fmt.man_bits), ep=ep(fmt), tensor_scale=r.tensor_scale,
                  one=torch.tensor(1.0, device=device))
         if r.scale != "UE8M0":
-            sf = get_format(r.scale); a.update(smin=sf.min_normal, smax=sf.max_value, sp=_fmt_args(sf, device))
+            sf = get_format(r.scale); a.update(smin=num(sf.min_normal), smax=num(sf.max_value), sp=ep(sf))
         _ARGS[key] = a
     return _ARGS[key]
 
@@ -188,7 +193,7 @@ def _scales_of(amax: torch.Tensor, a: dict):
     return (c.to(torch.uint8), *_e8m0_factors_int(c, a["rounding"]), None)
 
 # %% ../nbs/07_microscaling.ipynb #2acbf946
-_compiled_view: list = []
+_compiled_view: dict = {}
 
 def _block_kernel(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
     "(values, elements, scales, tensor scale) of the blocked view `xv`: amax, scales, range, rounding, scaling back."
@@ -198,12 +203,16 @@ def _block_kernel(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
     q = _kernel_nearest(y, a["one"], **a["ep"]) if seed is None else _kernel_stochastic(y, a["one"], seed, **a["ep"])
     return q * eff, q, scales, pts
 
-def _view_kernel(xv: torch.Tensor, rounding: str, compiled: bool | None):
-    """The compiled `_block_kernel` only when asked (`compiled=True`), else the eager one: compiled, it is not bit-exact for
-    every recipe (mxfp8_e5m2 under FLOOR and EVEN scale rounding differs from eager on `peer_inputs`), so it is opt-in."""
-    if compiled is not True or rounding != "nearest" or _compile_broken or torch.compiler.is_compiling(): return _block_kernel
-    if not _compiled_view: _compiled_view.append(compile_kernel(_block_kernel))
-    return _compiled_view[0]
+def _view_kernel(xv: torch.Tensor, r: BlockRecipe, rounding: str, compiled: bool | None):
+    """(kernel, its constants) for `xv`: the compiled `_block_kernel` of recipe `r` where `formats` would compile
+    (`compiled=True`, or `ALTGRAD_COMPILE` auto and at least `COMPILE_MIN_NUMEL` elements), else the eager one."""
+    if not _want_compiled(xv, compiled): return _block_kernel, _block_args(r, xv.device)
+    key = (r.scale, r.scale_rounding, r.tensor_scale, str(xv.device), rounding)   # what shapes the graph
+    if key not in _compiled_view:              # a copy of the code per key: its own Dynamo cache and recompile limit
+        code = _block_kernel.__code__.replace(co_name=f"_block_kernel_{len(_compiled_view)}")
+        fn = types.FunctionType(code, _block_kernel.__globals__, code.co_name, _block_kernel.__defaults__)
+        _compiled_view[key] = compile_kernel(fn)
+    return _compiled_view[key], _block_args(r, xv.device, tensors=True)
 
 # %% ../nbs/07_microscaling.ipynb #d83ca67f
 def quantize_blocks(x: torch.Tensor, recipe, axis: int = -1, weight: bool = False, rounding: str = "nearest",
@@ -213,15 +222,14 @@ def quantize_blocks(x: torch.Tensor, recipe, axis: int = -1, weight: bool = Fals
     if rounding not in ("nearest", "stochastic"): raise ValueError(f"rounding={rounding!r} is not 'nearest' or 'stochastic'")
     xt = x.detach().float().movedim(axis, -1); shape = xt.shape
     xv = _blocked(xt.reshape(-1, shape[-1]), r, weight)
-    a = _block_args(r, xv.device)
     seed = _draw_seed(generator, xv.device) if rounding == "stochastic" else None
-    fn = _view_kernel(xv, rounding, compiled)
+    fn, a = _view_kernel(xv, r, rounding, compiled)
     try: values, q, scales, pts = fn(xv, a, seed)
     except Exception as e:                 # no C++ compiler, unsupported device...: the eager kernel, once noticed
         if fn is _block_kernel or compiled: raise
         _compile_broken.append(repr(e))
         notice(f"torch.compile of the block quantizer failed ({type(e).__name__}); using the eager kernel")
-        values, q, scales, pts = _block_kernel(xv, a, seed)
+        values, q, scales, pts = _block_kernel(xv, _block_args(r, xv.device), seed)
     back = lambda t: t.reshape(shape).movedim(-1, axis)
     return Blocked(back(values), back(q), scales.reshape(xv.shape[0], xv.shape[2]), pts)
 
