@@ -66,7 +66,7 @@ for _r in (BlockRecipe("mxfp8", "E4M3"), BlockRecipe("mxfp8_e5m2", "E5M2"), Bloc
            BlockRecipe("nvfp4", "E2M1", block=16, scale="UE4M3", tensor_scale=True)):
     register_recipe(_r)
 
-# %% ../nbs/07_microscaling.ipynb #688920f2
+# %% ../nbs/07_microscaling.ipynb #e4a20b58
 def get_recipe(recipe) -> BlockRecipe:
     "A `BlockRecipe`, given one or a registered name (any case)."
     if isinstance(recipe, BlockRecipe): return recipe
@@ -103,7 +103,7 @@ def _e8m0_int(a: torch.Tensor, rounding: str, mx: float, emax: int, man: int) ->
     if rounding == "ceil": e = e + ((bits & 0x7FFFFF) > 0).int()
     return torch.where(a.isnan(), 255, e.clamp(-127, 128) + 127)
 
-# %% ../nbs/07_microscaling.ipynb #b3075c67
+# %% ../nbs/07_microscaling.ipynb #93d34452
 def e8m0_codes(amax: torch.Tensor, elem, rounding: str = "floor") -> torch.Tensor:
     "E8M0 codes (uint8) of the scales of blocks whose largest magnitude is `amax`, for elements of `elem`."
     fmt = get_format(elem)
@@ -117,7 +117,7 @@ def _rceil_int(d: torch.Tensor) -> torch.Tensor:
     code = torch.where(be == 0, (bits > 0x400000).int(), code)        # 0 and subnormals: code 1 above 2^-127, else 0
     return torch.where(be == 255, 255 - (man == 0).int(), code)                # inf 254, NaN 255
 
-# %% ../nbs/07_microscaling.ipynb #b0474068
+# %% ../nbs/07_microscaling.ipynb #d60bb377
 def _rceil_codes(d: torch.Tensor) -> torch.Tensor:
     "E8M0 codes (uint8) of `d` rounded up to a power of two (saturating at 2^127; 0 -> code 0, inf -> 254, NaN -> 255)."
     return _rceil_int(d.float()).to(torch.uint8)
@@ -127,7 +127,7 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     "Exact float32 2^e for integer e in [-127, 127], from its bits (2^-127 is a subnormal)."
     return torch.where(e > -127, (e + 127) << 23, 0x400000).view(torch.float32)
 
-# %% ../nbs/07_microscaling.ipynb #10347fc7
+# %% ../nbs/07_microscaling.ipynb #2db002b8
 def _e8m0_factors_int(c: torch.Tensor, rounding: str):
     "`e8m0_factors` of int32 codes `c`."
     if rounding == "rceil":
@@ -150,7 +150,7 @@ def _clamp(y: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     "`y.clamp(lo, hi)`, a NaN passed through with its bits (a compiled clamp would make it all ones)."
     return torch.where(y < lo, lo, torch.where(y > hi, hi, y))
 
-# %% ../nbs/07_microscaling.ipynb #cb88b0ad
+# %% ../nbs/07_microscaling.ipynb #3056ac45
 def _ue4m3_int(amax, tensor_amax, mx: float, smin: float, smax: float, sp: dict, one: torch.Tensor):
     """`ue4m3_scales` of float32 `amax` for elements of maximum `mx`, a scale format of range `smin`..`smax` and kernel
     `sp`."""
@@ -162,7 +162,7 @@ def _ue4m3_int(amax, tensor_amax, mx: float, smin: float, smax: float, sp: dict,
     if pts is None: return s, 1.0 / s, s, None
     return s, (1.0 / pts) / s, pts * s, pts
 
-# %% ../nbs/07_microscaling.ipynb #fdea8cae
+# %% ../nbs/07_microscaling.ipynb #912bf669
 def ue4m3_scales(amax: torch.Tensor, tensor_amax: torch.Tensor | None, elem, scale_fmt="UE4M3"):
     """(block scales on `scale_fmt`, multiplier, effective scale, tensor scale or None) of blocks with largest magnitude
     `amax`."""
@@ -179,7 +179,7 @@ class Blocked(NamedTuple):
     scales: torch.Tensor                # E8M0 codes (uint8) or UE4M3 values (float32), (rows/t, K/block)
     tensor_scale: torch.Tensor | None   # NVFP4's FP32 per-tensor scale, else None
 
-# %% ../nbs/07_microscaling.ipynb #89dc18ee
+# %% ../nbs/07_microscaling.ipynb #0e102d91
 _ARGS: dict = {}
 
 def _block_args(r: BlockRecipe, device, tensors: bool = False) -> dict:
@@ -199,7 +199,7 @@ def _block_args(r: BlockRecipe, device, tensors: bool = False) -> dict:
         _ARGS[key] = a
     return _ARGS[key]
 
-# %% ../nbs/07_microscaling.ipynb #a50f15b3
+# %% ../nbs/07_microscaling.ipynb #bbb7c7d7
 def _scales_of(amax: torch.Tensor, a: dict):
     """(scales, multiplier, divisor, effective scale, tensor scale) of blocks of largest magnitude `amax` (`_block_args`
     `a`)."""
@@ -221,7 +221,7 @@ def _block_kernel(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
     q = _kernel_nearest(y, a["one"], **a["ep"]) if seed is None else _kernel_stochastic(y, a["one"], seed, **a["ep"])
     return q * eff, q, scales, pts
 
-# %% ../nbs/07_microscaling.ipynb #06285a0e
+# %% ../nbs/07_microscaling.ipynb #ff34016d
 def _view_kernel(xv: torch.Tensor, r: BlockRecipe, rounding: str, compiled: bool | None):
     """(kernel, its constants) for `xv`: the compiled `_block_kernel` of recipe `r` where `formats` would compile
     (`compiled=True`, or `ALTGRAD_COMPILE` auto and at least `COMPILE_MIN_NUMEL` elements), else the eager one."""
@@ -293,7 +293,7 @@ def _scale_code_range(r: BlockRecipe) -> tuple[int, int]:
     sf = get_format(r.scale)
     return int(to_bits(torch.tensor([sf.min_normal]), sf)), int(to_bits(torch.tensor([sf.max_value]), sf))
 
-# %% ../nbs/07_microscaling.ipynb #3c9d93ce
+# %% ../nbs/07_microscaling.ipynb #3d87a5dd
 def block_stats(x: torch.Tensor, b: Blocked, recipe) -> dict[str, torch.Tensor]:
     """Diagnostics of block-quantizing `x` to `b` with `recipe`: scale histogram and clamps, saturation, underflow, MSE,
     SQNR."""
@@ -314,7 +314,7 @@ def element_scales(x: torch.Tensor, recipe, axis: int = -1, weight: bool = False
     eff = _scales_of(xv.abs().amax(dim=(1, 3), keepdim=True), _block_args(r, xv.device))[3]
     return eff.expand_as(xv).reshape(shape).movedim(-1, axis)
 
-# %% ../nbs/07_microscaling.ipynb #55345c11
+# %% ../nbs/07_microscaling.ipynb #e82290e5
 def block_ulp(x: torch.Tensor, recipe, axis: int = -1, weight: bool = False) -> torch.Tensor:
     """The grid step at each element of `x` on its block's grid: the element format's quantum there × the element's
     scale."""
