@@ -11,7 +11,8 @@ from torch import nn
 from fastcore.basics import patch
 from .formats import get_format, to_bits
 from .grid import MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, land, ratio_histogram
-from .microscaling import BlockRecipe, get_recipe, quantize_blocks, block_stats, _blocked, _block_args, _scales_of, _scale_code_range
+from .microscaling import (BlockRecipe, get_recipe, quantize_blocks, block_stats, _blocked, _block_args,
+                                  _scales_of, _scale_code_range)
 
 # %% auto #0
 __all__ = ['OPERAND_ROUNDINGS', 'GEMM_CONFIGS', 'BlockGemmConfig', 'get_gemm_config', 'hadamard_matrix', 'rotate_rows',
@@ -41,7 +42,8 @@ class BlockGemmConfig:
                 raise ValueError(f"{k}={getattr(self, k)!r}: choose one of {list(OPERAND_ROUNDINGS)}")
 
 # %% ../nbs/08_block_gemm.ipynb #131aa9d9
-GEMM_CONFIGS: dict[str, BlockGemmConfig] = {n: BlockGemmConfig(n) for n in ("mxfp8", "mxfp8_e5m2", "mxfp6", "mxfp6_e3m2", "mxfp4", "nvfp4")}
+GEMM_CONFIGS: dict[str, BlockGemmConfig] = {n: BlockGemmConfig(n) for n in ("mxfp8", "mxfp8_e5m2", "mxfp6",
+                                                                          "mxfp6_e3m2", "mxfp4", "nvfp4")}
 GEMM_CONFIGS["nvfp4_training"] = BlockGemmConfig(replace(get_recipe("nvfp4"), weight_tiles=True),
                                                  rounding_g="stochastic", hadamard=True)
 
@@ -62,6 +64,7 @@ def hadamard_matrix(n: int = 16, seed: int = 0) -> torch.Tensor:
     s = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
     return H * s / math.sqrt(n)
 
+# %% ../nbs/08_block_gemm.ipynb #fd849952
 def rotate_rows(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     "Apply `R` to each block of R.shape[0] consecutive rows of the matrix `x` (rows must divide)."
     n = R.shape[0]
@@ -73,12 +76,14 @@ def _operand(x, recipe, axis, rounding, gen, weight=False) -> torch.Tensor:
     "The values a GEMM multiplies: `x` block-quantized with `recipe` along `axis`."
     return quantize_blocks(x, recipe, axis=axis, weight=weight, rounding=rounding, generator=gen).values
 
+# %% ../nbs/08_block_gemm.ipynb #653ecd5d
 class _BlockGemmFn(torch.autograd.Function):
     "Y = Aq Wq^T + b (blocks along K); dX = Gq Wq (along N); dW = Gq^T Aq (along M, optionally rotated)."
     @staticmethod
     def forward(ctx, x, weight, bias, cfg, gen, R):
         a2, w = x.reshape(-1, x.shape[-1]).float(), weight.float()
-        y = _operand(a2, cfg.recipe, -1, cfg.rounding_a, gen) @ _operand(w, cfg.recipe, -1, cfg.rounding_w, gen, True).t()
+        y = (_operand(a2, cfg.recipe, -1, cfg.rounding_a, gen)
+             @ _operand(w, cfg.recipe, -1, cfg.rounding_w, gen, True).t())
         if bias is not None: y = y + bias.float()
         ctx.save_for_backward(a2, w, R); ctx.cfg, ctx.gen, ctx.shape, ctx.has_bias = cfg, gen, x.shape, bias is not None
         return y.reshape(*x.shape[:-1], w.shape[0])
@@ -89,11 +94,13 @@ class _BlockGemmFn(torch.autograd.Function):
         g2 = g.reshape(-1, g.shape[-1]).float()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _operand(g2, cfg.grad_recipe, -1, cfg.rounding_g, gen) @ _operand(w, cfg.recipe, 0, cfg.rounding_w, gen, True)
+            dx = (_operand(g2, cfg.grad_recipe, -1, cfg.rounding_g, gen)
+                  @ _operand(w, cfg.recipe, 0, cfg.rounding_w, gen, True))
             dx = dx.reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
             gm, am = (g2, a2) if not cfg.hadamard else (rotate_rows(g2, R), rotate_rows(a2, R))
-            dw = _operand(gm, cfg.grad_recipe, 0, cfg.rounding_g, gen).t() @ _operand(am, cfg.recipe, 0, cfg.rounding_a, gen)
+            dw = (_operand(gm, cfg.grad_recipe, 0, cfg.rounding_g, gen).t()
+                  @ _operand(am, cfg.recipe, 0, cfg.rounding_a, gen))
         db = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None
 
@@ -124,29 +131,35 @@ class BlockLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, config="mxfp8", layer_id: int = 0) -> "BlockLinear":
         "A `BlockLinear` with `linear`'s weights (shared, not copied)."
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, config, layer_id, device=linear.weight.device)
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, config, layer_id,
+                device=linear.weight.device)
         m.weight, m.bias = linear.weight, linear.bias
         return m
 
     def extra_repr(self) -> str:
         s = super().extra_repr() + f", recipe={self.config.recipe.name}"
-        return s + (f", master_weights='format', weight_update={self.weight_update!r}" if self.master_weights == "format" else "")
+        return s + (f", master_weights='format', weight_update={self.weight_update!r}"
+                    if self.master_weights == "format" else "")
 
 # %% ../nbs/08_block_gemm.ipynb #33b9bee7
 def block_grid_format(recipe):
-    "The element format of `recipe`'s grid, saturating (a block's largest element clips to its largest value, as `quantize_blocks`)."
+    """The element format of `recipe`'s grid, saturating (a block's largest element clips to its largest value, as
+    `quantize_blocks`)."""
     f = get_format(get_recipe(recipe).elem)
     return f if f.overflow == "saturate" else replace(f, overflow="saturate")
 
 def block_grid_scale(x: torch.Tensor, recipe) -> torch.Tensor:
-    "Each element's multiplier onto its weight block's element grid (`quantize`'s `scale`: 1 / the block's scale), `x`'s shape."
+    """Each element's multiplier onto its weight block's element grid (`quantize`'s `scale`: 1 / the block's scale),
+    `x`'s shape."""
     r = get_recipe(recipe); x2 = x.detach().float().reshape(-1, x.shape[-1])
     xv = _blocked(x2, r, True)
     _, mul, div, _, _ = _scales_of(xv.abs().amax(dim=(1, 3), keepdim=True), _block_args(r, xv.device))
     return (mul if div is None else 1.0 / div).expand_as(xv).reshape(x.shape)
 
+# %% ../nbs/08_block_gemm.ipynb #f01d0772
 def on_block_grid(x: torch.Tensor, recipe, max_iter: int = 4) -> torch.Tensor:
-    "`x` rounded to nearest onto `recipe`'s weight grid, requantized until `quantize_blocks` leaves it unchanged (a fixed point)."
+    """`x` rounded to nearest onto `recipe`'s weight grid, requantized until `quantize_blocks` leaves it unchanged (a
+    fixed point)."""
     r, q = get_recipe(recipe), x.detach().float()
     for _ in range(max_iter):
         n = quantize_blocks(q, r, weight=True).values
@@ -154,9 +167,11 @@ def on_block_grid(x: torch.Tensor, recipe, max_iter: int = 4) -> torch.Tensor:
         q = n
     return q
 
+# %% ../nbs/08_block_gemm.ipynb #0cd69936
 def land_block(w: torch.Tensor, u: torch.Tensor, recipe, landing: str = "nearest", residual: torch.Tensor | None = None,
                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    "`w + u` landed by `landing` (a `grid.LANDINGS` name) on the block grid of the value that lands: `(w_new, residual_new)`."
+    """`w + u` landed by `landing` (a `grid.LANDINGS` name) on the block grid of the value that lands:
+    `(w_new, residual_new)`."""
     r = get_recipe(recipe); w, u = w.detach().float(), u.detach().float()
     aim = w + u if residual is None else w + u + residual.float()
     wl, c = land(w, u, block_grid_format(r), block_grid_scale(aim, r), landing, residual, generator)
@@ -175,6 +190,7 @@ def use_grid(self: BlockLinear, weight_update: str = "nearest", residual_dtype: 
     self._updates_n = 0
     return self
 
+# %% ../nbs/08_block_gemm.ipynb #00277969
 @patch(as_prop=True)
 def on_grid(self: BlockLinear) -> bool: return self.master_weights == "format" and self._grid_set
 
@@ -188,11 +204,14 @@ def to_grid(self: BlockLinear):
     w = self.weight; w.copy_(on_block_grid(w, self.config.recipe).to(w.dtype))
     self.grid_set.fill_(True); self._grid_set = True
 
+# %% ../nbs/08_block_gemm.ipynb #5512cfa8
 @patch
 def _load_from_state_dict(self: BlockLinear, sd, prefix, meta, strict, missing, unexpected, errors):
-    "Lazily shaped grid buffers take the saved shapes; a checkpoint without them (FP32 master weights) lands at the first forward."
+    """Lazily shaped grid buffers take the saved shapes; a checkpoint without them (FP32 master weights) lands at the
+    first forward."""
     grid = self.master_weights == "format"
-    if grid and prefix + "grid_set" not in sd: self.use_grid(self.weight_update, self.residual_dtype)   # a fresh grid state
+    if grid and prefix + "grid_set" not in sd:                                      # a fresh grid state
+        self.use_grid(self.weight_update, self.residual_dtype)
     for n in ("residual", "w_prev"):
         if grid and prefix + n in sd: setattr(self, n, torch.zeros_like(sd[prefix + n], device=self.weight.device))
     nn.Module._load_from_state_dict(self, sd, prefix, meta, strict, missing, unexpected, errors)
@@ -215,7 +234,8 @@ def canonical_format(name) -> str:
 def block_layer(linear: nn.Linear, fmt, layer_id: int = 0, fmt_backward=None, master_weights: str = "fp32",
                 quantize_grads: bool = False, rounding: str = "nearest", seed: int = 0, weight_update: str = "nearest",
                 residual_dtype: str = "fp32", **_) -> BlockLinear:
-    "The `BlockLinear` that `quantize_model(model, <recipe>, **kw)` puts in place of `linear` (weights on its grid or FP32)."
+    """The `BlockLinear` that `quantize_model(model, <recipe>, **kw)` puts in place of `linear` (weights on its grid or
+    FP32)."""
     cfg, name = get_gemm_config(fmt), fmt if isinstance(fmt, str) else "a BlockGemmConfig"
     _check_grid_keys(name, master_weights, weight_update, residual_dtype)
     if quantize_grads: raise ValueError(f"quantize_grads=True with block recipe {name!r}: the weight gradient is "
@@ -230,13 +250,16 @@ def block_layer(linear: nn.Linear, fmt, layer_id: int = 0, fmt_backward=None, ma
     m = BlockLinear.from_linear(linear, cfg, layer_id)
     return m.use_grid(weight_update, residual_dtype) if master_weights == "format" else m
 
+# %% ../nbs/08_block_gemm.ipynb #938acd47
 def _check_grid_keys(name: str, master_weights: str, weight_update: str, residual_dtype: str):
     "ValueError naming the bad key among `block_layer`'s regime keys, its valid values and the fix."
     if master_weights not in MASTER_WEIGHTS:
-        raise ValueError(f"master_weights={master_weights!r} with block recipe {name!r}: choose one of {list(MASTER_WEIGHTS)}")
+        raise ValueError(f"master_weights={master_weights!r} with block recipe {name!r}: "
+                         f"choose one of {list(MASTER_WEIGHTS)}")
     landing = get_landing(weight_update)                       # unknown names: ValueError listing LANDINGS
     if residual_dtype not in RESIDUAL_DTYPES:
-        raise ValueError(f"residual_dtype={residual_dtype!r} with block recipe {name!r}: choose one of {list(RESIDUAL_DTYPES)}")
+        raise ValueError(f"residual_dtype={residual_dtype!r} with block recipe {name!r}: "
+                         f"choose one of {list(RESIDUAL_DTYPES)}")
     if (landing.residual or landing.momentum) and master_weights != "format":
         raise ValueError(f"weight_update={weight_update!r} with block recipe {name!r} needs master_weights='format' "
                          "(with FP32 master weights no update is lost)")
@@ -247,9 +270,11 @@ def block_layers(model: nn.Module) -> list[tuple[str, BlockLinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, BlockLinear)]
 
 def grid_block_layers(model: nn.Module) -> list[tuple[str, BlockLinear]]:
-    "`(name, layer)` of every `BlockLinear` in `model` whose weights live on its block grid (`master_weights='format'`)."
+    """`(name, layer)` of every `BlockLinear` in `model` whose weights live on its block grid
+    (`master_weights='format'`)."""
     return [(n, m) for n, m in block_layers(model) if m.master_weights == "format"]
 
+# %% ../nbs/08_block_gemm.ipynb #9364a9f0
 def block_operands(m: BlockLinear) -> dict[str, tuple]:
     "`{role: (tensor, recipe, weight)}` of `m`'s W, last A and last G (each blocked along its last axis by its GEMM)."
     c, out = m.config, {"w": (m.weight, m.config.recipe, True)}
@@ -257,18 +282,20 @@ def block_operands(m: BlockLinear) -> dict[str, tuple]:
     if m.last_g is not None: out["g"] = (m.last_g, c.grad_recipe, False)
     return out
 
+# %% ../nbs/08_block_gemm.ipynb #d1ad5161
 def _block_share(mask: torch.Tensor, r: BlockRecipe, weight: bool) -> torch.Tensor:
     "The share of `r`'s blocks of `mask` (blocked along its last axis) with any element set."
     return _blocked(mask.float().reshape(-1, mask.shape[-1]), r, weight).amax(dim=(1, 3)).mean()
 
 def _scale_clamped(x: torch.Tensor, b, r: BlockRecipe, weight: bool) -> torch.Tensor:
     "Share of the blocks holding a non-zero element whose scale sits at its format's bottom or top code."
-    nz = _blocked(x.reshape(-1, x.shape[-1]), r, weight).abs().amax(dim=(1, 3)) > 0    # an all-zero block clamps harmlessly
+    nz = _blocked(x.reshape(-1, x.shape[-1]), r, weight).abs().amax(dim=(1, 3)) > 0  # all-zero blocks clamp harmlessly
     codes = (b.scales if r.scale == "UE8M0" else to_bits(b.scales, r.scale)).long()
     lo, hi = _scale_code_range(r)
     hit = codes <= lo if r.tensor_scale else (codes <= lo) | (codes >= hi)   # a tensor scale puts the top block at hi
     return (hit & nz).float().sum() / nz.sum().clamp(min=1)
 
+# %% ../nbs/08_block_gemm.ipynb #82c3ba5e
 def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[dict, torch.Tensor]:
     "(scalar diagnostics, scale-code histogram) of block-quantizing `x` along its last axis with `recipe`."
     r = get_recipe(recipe); x = x.detach().float(); b = quantize_blocks(x, r, weight=weight)
@@ -298,11 +325,13 @@ def block_metric_parts(model: nn.Module):
         return out | {"overflow/max": ovf}
     return torch.stack(vals), build
 
+# %% ../nbs/08_block_gemm.ipynb #ab8562ed
 def block_metrics(model: nn.Module) -> dict:
     "Per layer and operand, `operand_diagnostics`' figures as `<name>/<layer>/<op>`, with `overflow/max`; {} if none."
     parts = block_metric_parts(model)
     return parts[1](parts[0].to(torch.float64).tolist()) if parts else {}      # (what one `HostRead` read gives)
 
+# %% ../nbs/08_block_gemm.ipynb #3e0c1cd1
 def block_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     """`{layer: {'scale_<op>': histogram of the scale codes}}` of every `BlockLinear`'s W, last A and last G, and
     (weights on the grid) `r`: the last update's log2(|u|/ulp) histogram against each weight's block ulp."""

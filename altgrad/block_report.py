@@ -71,7 +71,8 @@ def block_section(run: Run, fig_dir: Path) -> list[str]:
     if not means: return []
     fig = plot_block_diagnostics(run); p = Path(fig_dir) / "block_diagnostics.png"
     p.parent.mkdir(parents=True, exist_ok=True); fig.savefig(p, dpi=100, metadata={"Software": None}); plt.close(fig)
-    L = ["## Block diagnostics", "", f"Recipe `{run.config.get('fmt')}`: W and A as the forward GEMM blocks them (along K), G as "
+    L = ["## Block diagnostics", "",
+         f"Recipe `{run.config.get('fmt')}`: W and A as the forward GEMM blocks them (along K), G as "
          "the input-gradient GEMM blocks it (along N); the weight-gradient GEMM's operands are not measured. "
          "Averaged over the logged steps and the block layers. A saturated element is one whose scaled value exceeds "
          "the element format's largest value (under NVFP4 these round to it anyway).", "",

@@ -4,12 +4,13 @@
 
 # %% ../nbs/07_microscaling.ipynb #4913c73e
 from __future__ import annotations
-import math
+import math, types
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 import torch
 from .formats import (get_format, quantize, to_bits, compile_kernel, _compile_broken, _kernel_params,
-                             _kernel_nearest, _kernel_stochastic, _draw_seed)
+                             _kernel_nearest, _kernel_stochastic, _draw_seed, _tensor_params,
+                             _want_compiled)
 from .notice import notice
 
 # %% auto #0
@@ -41,14 +42,16 @@ def _check_recipe(r: BlockRecipe) -> None:
     "Raise a ValueError that names the bad field of `r`, its valid values and the fix."
     get_format(r.elem)                                     # names the registered formats on a bad name
     if r.scale not in SCALE_ROUNDINGS:
-        raise ValueError(f"{r.name}: scale={r.scale!r} is not a block-scale format; choose one of {list(SCALE_ROUNDINGS)}")
+        raise ValueError(f"{r.name}: scale={r.scale!r} is not a block-scale format; "
+                         f"choose one of {list(SCALE_ROUNDINGS)}")
     if r.scale_rounding not in SCALE_ROUNDINGS[r.scale]:
         raise ValueError(f"{r.name}: scale_rounding={r.scale_rounding!r} does not apply to a {r.scale} scale; "
                          f"choose one of {list(SCALE_ROUNDINGS[r.scale])}")
     if not isinstance(r.block, int) or isinstance(r.block, bool) or r.block < 1:
         raise ValueError(f"{r.name}: block={r.block!r} must be a positive integer (MX uses 32, NVFP4 16)")
     if r.tensor_scale and r.scale != "UE4M3":
-        raise ValueError(f"{r.name}: tensor_scale=True needs scale='UE4M3' (an E8M0 scale already spans the FP32 range)")
+        raise ValueError(f"{r.name}: tensor_scale=True needs scale='UE4M3' "
+                         "(an E8M0 scale already spans the FP32 range)")
 
 # %% ../nbs/07_microscaling.ipynb #17e3142e
 RECIPES: dict[str, BlockRecipe] = {}
@@ -63,11 +66,13 @@ for _r in (BlockRecipe("mxfp8", "E4M3"), BlockRecipe("mxfp8_e5m2", "E5M2"), Bloc
            BlockRecipe("nvfp4", "E2M1", block=16, scale="UE4M3", tensor_scale=True)):
     register_recipe(_r)
 
+# %% ../nbs/07_microscaling.ipynb #e4a20b58
 def get_recipe(recipe) -> BlockRecipe:
     "A `BlockRecipe`, given one or a registered name (any case)."
     if isinstance(recipe, BlockRecipe): return recipe
     r = RECIPES.get(str(recipe).lower())
-    if r is None: raise KeyError(f"unknown block recipe {recipe!r}; registered: {sorted(RECIPES)} (or pass a BlockRecipe)")
+    if r is None:
+        raise KeyError(f"unknown block recipe {recipe!r}; registered: {sorted(RECIPES)} (or pass a BlockRecipe)")
     return r
 
 # %% ../nbs/07_microscaling.ipynb #54e395e4
@@ -76,16 +81,19 @@ def _blocked(x2: torch.Tensor, r: BlockRecipe, weight: bool) -> torch.Tensor:
     (R, K), b = x2.shape, r.block
     t = b if (weight and r.weight_tiles) else 1
     if K % b: raise ValueError(f"{r.name}: the blocked axis has {K} elements (tensor seen as {R}×{K}, that axis last), "
-                               f"not a multiple of the block ({b}); pad the tensor or pick a recipe whose block divides {K}")
+                               f"not a multiple of the block ({b}); pad the tensor or pick a recipe whose block "
+                               f"divides {K}")
     if R % t: raise ValueError(f"{r.name}: {R} rows (tensor seen as {R}×{K}) do not split into {t}×{t} weight tiles; "
                                "pad the weight or set weight_tiles=False")
     return x2.reshape(R // t, t, K // b, b)
 
 # %% ../nbs/07_microscaling.ipynb #af58ce31
-def _emax(fmt) -> int: "Exponent of the largest binade of `fmt` (E4M3: 8, E5M2: 15, E2M1: 2)."; return math.frexp(fmt.max_value)[1] - 1
+def _emax(fmt) -> int:
+    "Exponent of the largest binade of `fmt` (E4M3: 8, E5M2: 15, E2M1: 2)."; return math.frexp(fmt.max_value)[1] - 1
 
 def _e8m0_int(a: torch.Tensor, rounding: str, mx: float, emax: int, man: int) -> torch.Tensor:
-    "E8M0 codes (int32) of float32 block amaxes `a` for elements of maximum `mx`, top exponent `emax`, `man` mantissa bits."
+    """E8M0 codes (int32) of float32 block amaxes `a` for elements of maximum `mx`, top exponent `emax`, `man` mantissa
+    bits."""
     if rounding == "rceil": return _rceil_int(a / mx)
     if rounding == "even":
         up = (a.view(torch.int32) + (1 << (22 - man))) & 0x7F800000      # amax at the element's precision
@@ -95,6 +103,7 @@ def _e8m0_int(a: torch.Tensor, rounding: str, mx: float, emax: int, man: int) ->
     if rounding == "ceil": e = e + ((bits & 0x7FFFFF) > 0).int()
     return torch.where(a.isnan(), 255, e.clamp(-127, 128) + 127)
 
+# %% ../nbs/07_microscaling.ipynb #93d34452
 def e8m0_codes(amax: torch.Tensor, elem, rounding: str = "floor") -> torch.Tensor:
     "E8M0 codes (uint8) of the scales of blocks whose largest magnitude is `amax`, for elements of `elem`."
     fmt = get_format(elem)
@@ -108,6 +117,7 @@ def _rceil_int(d: torch.Tensor) -> torch.Tensor:
     code = torch.where(be == 0, (bits > 0x400000).int(), code)        # 0 and subnormals: code 1 above 2^-127, else 0
     return torch.where(be == 255, 255 - (man == 0).int(), code)                # inf 254, NaN 255
 
+# %% ../nbs/07_microscaling.ipynb #d60bb377
 def _rceil_codes(d: torch.Tensor) -> torch.Tensor:
     "E8M0 codes (uint8) of `d` rounded up to a power of two (saturating at 2^127; 0 -> code 0, inf -> 254, NaN -> 255)."
     return _rceil_int(d.float()).to(torch.uint8)
@@ -117,6 +127,7 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     "Exact float32 2^e for integer e in [-127, 127], from its bits (2^-127 is a subnormal)."
     return torch.where(e > -127, (e + 127) << 23, 0x400000).view(torch.float32)
 
+# %% ../nbs/07_microscaling.ipynb #2db002b8
 def _e8m0_factors_int(c: torch.Tensor, rounding: str):
     "`e8m0_factors` of int32 codes `c`."
     if rounding == "rceil":
@@ -125,7 +136,8 @@ def _e8m0_factors_int(c: torch.Tensor, rounding: str):
     div = (c << 23).view(torch.float32).clamp(min=2.0 ** -126)                  # 255 -> inf, as torchao
     return None, div, div
 
-def e8m0_factors(codes: torch.Tensor, rounding: str = "floor") -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+def e8m0_factors(codes: torch.Tensor, rounding: str = "floor"
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     "(multiplier, divisor, effective scale) of E8M0 `codes`: one of the first two is None; code 255 gives NaN/inf."
     return _e8m0_factors_int(codes.int(), rounding)
 
@@ -138,8 +150,10 @@ def _clamp(y: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     "`y.clamp(lo, hi)`, a NaN passed through with its bits (a compiled clamp would make it all ones)."
     return torch.where(y < lo, lo, torch.where(y > hi, hi, y))
 
+# %% ../nbs/07_microscaling.ipynb #3056ac45
 def _ue4m3_int(amax, tensor_amax, mx: float, smin: float, smax: float, sp: dict, one: torch.Tensor):
-    "`ue4m3_scales` of float32 `amax` for elements of maximum `mx`, a scale format of range `smin`..`smax` and kernel `sp`."
+    """`ue4m3_scales` of float32 `amax` for elements of maximum `mx`, a scale format of range `smin`..`smax` and kernel
+    `sp`."""
     bs, pts = amax / mx, None
     if tensor_amax is not None:
         pts = torch.where(tensor_amax == 0, 1.0, tensor_amax / (smax * mx))   # NaN stays NaN
@@ -148,8 +162,10 @@ def _ue4m3_int(amax, tensor_amax, mx: float, smin: float, smax: float, sp: dict,
     if pts is None: return s, 1.0 / s, s, None
     return s, (1.0 / pts) / s, pts * s, pts
 
+# %% ../nbs/07_microscaling.ipynb #912bf669
 def ue4m3_scales(amax: torch.Tensor, tensor_amax: torch.Tensor | None, elem, scale_fmt="UE4M3"):
-    "(block scales on `scale_fmt`, multiplier, effective scale, tensor scale or None) of blocks with largest magnitude `amax`."
+    """(block scales on `scale_fmt`, multiplier, effective scale, tensor scale or None) of blocks with largest magnitude
+    `amax`."""
     fmt, sf = get_format(elem), get_format(scale_fmt)
     ta = None if tensor_amax is None else tensor_amax.float()
     return _ue4m3_int(amax.float(), ta, fmt.max_value, sf.min_normal, sf.max_value, _fmt_args(sf, amax.device),
@@ -163,23 +179,30 @@ class Blocked(NamedTuple):
     scales: torch.Tensor                # E8M0 codes (uint8) or UE4M3 values (float32), (rows/t, K/block)
     tensor_scale: torch.Tensor | None   # NVFP4's FP32 per-tensor scale, else None
 
+# %% ../nbs/07_microscaling.ipynb #0e102d91
 _ARGS: dict = {}
 
-def _block_args(r: BlockRecipe, device) -> dict:
-    "Everything `_block_kernel` needs to know of recipe `r`, as constants (cached per recipe and device)."
-    key = (r, str(device))
+def _block_args(r: BlockRecipe, device, tensors: bool = False) -> dict:
+    """Everything `_block_kernel` needs to know of recipe `r`, as constants (cached per recipe and device): Python
+    numbers for the eager kernel; with `tensors`, every number a 0-d tensor, as the compiled kernel needs them."""
+    key = (r, str(device), tensors)
     if key not in _ARGS:
         fmt = get_format(r.elem)
-        a = dict(rounding=r.scale_rounding if r.scale == "UE8M0" else None, mx=fmt.max_value, emax=_emax(fmt),
-                 man=fmt.man_bits, ep=_fmt_args(fmt, device), tensor_scale=r.tensor_scale,
+        num = lambda v: torch.tensor(v, device=device, dtype=torch.float32 if isinstance(v, float) else torch.int32)
+        if not tensors: num = lambda v: v
+        ep = (lambda f: _tensor_params(f, device)) if tensors else (lambda f: _fmt_args(f, device))
+        a = dict(rounding=r.scale_rounding if r.scale == "UE8M0" else None, mx=num(fmt.max_value),
+                 emax=num(_emax(fmt)), man=num(fmt.man_bits), ep=ep(fmt), tensor_scale=r.tensor_scale,
                  one=torch.tensor(1.0, device=device))
         if r.scale != "UE8M0":
-            sf = get_format(r.scale); a.update(smin=sf.min_normal, smax=sf.max_value, sp=_fmt_args(sf, device))
+            sf = get_format(r.scale); a.update(smin=num(sf.min_normal), smax=num(sf.max_value), sp=ep(sf))
         _ARGS[key] = a
     return _ARGS[key]
 
+# %% ../nbs/07_microscaling.ipynb #bbb7c7d7
 def _scales_of(amax: torch.Tensor, a: dict):
-    "(scales, multiplier, divisor, effective scale, tensor scale) of blocks of largest magnitude `amax` (`_block_args` `a`)."
+    """(scales, multiplier, divisor, effective scale, tensor scale) of blocks of largest magnitude `amax` (`_block_args`
+    `a`)."""
     if a["rounding"] is None:
         s, mul, eff, pts = _ue4m3_int(amax, amax.amax() if a["tensor_scale"] else None, a["mx"], a["smin"], a["smax"],
                                       a["sp"], a["one"])
@@ -188,7 +211,7 @@ def _scales_of(amax: torch.Tensor, a: dict):
     return (c.to(torch.uint8), *_e8m0_factors_int(c, a["rounding"]), None)
 
 # %% ../nbs/07_microscaling.ipynb #2acbf946
-_compiled_view: list = []
+_compiled_view: dict = {}
 
 def _block_kernel(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
     "(values, elements, scales, tensor scale) of the blocked view `xv`: amax, scales, range, rounding, scaling back."
@@ -198,41 +221,48 @@ def _block_kernel(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
     q = _kernel_nearest(y, a["one"], **a["ep"]) if seed is None else _kernel_stochastic(y, a["one"], seed, **a["ep"])
     return q * eff, q, scales, pts
 
-def _view_kernel(xv: torch.Tensor, rounding: str, compiled: bool | None):
-    """The compiled `_block_kernel` only when asked (`compiled=True`), else the eager one: compiled, it is not bit-exact for
-    every recipe (mxfp8_e5m2 under FLOOR and EVEN scale rounding differs from eager on `peer_inputs`), so it is opt-in."""
-    if compiled is not True or rounding != "nearest" or _compile_broken or torch.compiler.is_compiling(): return _block_kernel
-    if not _compiled_view: _compiled_view.append(compile_kernel(_block_kernel))
-    return _compiled_view[0]
+# %% ../nbs/07_microscaling.ipynb #ff34016d
+def _view_kernel(xv: torch.Tensor, r: BlockRecipe, rounding: str, compiled: bool | None):
+    """(kernel, its constants) for `xv`: the compiled `_block_kernel` of recipe `r` where `formats` would compile
+    (`compiled=True`, or `ALTGRAD_COMPILE` auto and at least `COMPILE_MIN_NUMEL` elements), else the eager one."""
+    if not _want_compiled(xv, compiled): return _block_kernel, _block_args(r, xv.device)
+    key = (r.scale, r.scale_rounding, r.tensor_scale, str(xv.device), rounding)   # what shapes the graph
+    if key not in _compiled_view:              # a copy of the code per key: its own Dynamo cache and recompile limit
+        code = _block_kernel.__code__.replace(co_name=f"_block_kernel_{len(_compiled_view)}")
+        fn = types.FunctionType(code, _block_kernel.__globals__, code.co_name, _block_kernel.__defaults__)
+        _compiled_view[key] = compile_kernel(fn)
+    return _compiled_view[key], _block_args(r, xv.device, tensors=True)
 
 # %% ../nbs/07_microscaling.ipynb #d83ca67f
 def quantize_blocks(x: torch.Tensor, recipe, axis: int = -1, weight: bool = False, rounding: str = "nearest",
                     generator: torch.Generator | None = None, compiled: bool | None = None) -> Blocked:
     "Quantize `x` with block `recipe` along `axis` (the reduction dimension of the GEMM that reads it)."
     r = get_recipe(recipe)
-    if rounding not in ("nearest", "stochastic"): raise ValueError(f"rounding={rounding!r} is not 'nearest' or 'stochastic'")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding={rounding!r} is not 'nearest' or 'stochastic'")
     xt = x.detach().float().movedim(axis, -1); shape = xt.shape
     xv = _blocked(xt.reshape(-1, shape[-1]), r, weight)
-    a = _block_args(r, xv.device)
     seed = _draw_seed(generator, xv.device) if rounding == "stochastic" else None
-    fn = _view_kernel(xv, rounding, compiled)
+    fn, a = _view_kernel(xv, r, rounding, compiled)
     try: values, q, scales, pts = fn(xv, a, seed)
     except Exception as e:                 # no C++ compiler, unsupported device...: the eager kernel, once noticed
         if fn is _block_kernel or compiled: raise
         _compile_broken.append(repr(e))
         notice(f"torch.compile of the block quantizer failed ({type(e).__name__}); using the eager kernel")
-        values, q, scales, pts = _block_kernel(xv, a, seed)
+        values, q, scales, pts = _block_kernel(xv, _block_args(r, xv.device), seed)
     back = lambda t: t.reshape(shape).movedim(-1, axis)
     return Blocked(back(values), back(q), scales.reshape(xv.shape[0], xv.shape[2]), pts)
 
 # %% ../nbs/07_microscaling.ipynb #54bf5eac
 def peer_inputs(block: int = 32, n_random: int = 16384, seed: int = 0, elem_max: float = 448.0) -> torch.Tensor:
-    "Blocks (rows of `block`) spanning 2^-140..2^120, with adversarial amaxes at powers of two and `elem_max`, and zeros."
+    """Blocks (rows of `block`) spanning 2^-140..2^120, with adversarial amaxes at powers of two and `elem_max`, and
+    zeros."""
     g = torch.Generator().manual_seed(seed)
     mags = torch.exp2(torch.randint(-140, 121, (n_random, 1), generator=g).float())
     x = torch.randn(n_random, block, generator=g) * mags
     k = torch.arange(-135, 118).double(); p = torch.exp2(k)
-    amax = torch.cat([p, p * (1 + 2.0 ** -23), p * (1 - 2.0 ** -24), p * 1.75, p * elem_max, p * elem_max * (1 + 2.0 ** -23)]).float()
+    amax = torch.cat([p, p * (1 + 2.0 ** -23), p * (1 - 2.0 ** -24), p * 1.75, p * elem_max,
+                      p * elem_max * (1 + 2.0 ** -23)]).float()
     amax = amax[amax.isfinite() & (amax > 0)]
     adv = (torch.rand(len(amax), block, generator=g) * 2 - 1) * amax[:, None]
     adv[:, 0] = amax
@@ -244,7 +274,8 @@ def peer_inputs(block: int = 32, n_random: int = 16384, seed: int = 0, elem_max:
 
 # %% ../nbs/07_microscaling.ipynb #ad31a911
 def nvfp4_inputs(n_random: int = 16384, seed: int = 0, block: int = 16) -> torch.Tensor:
-    "Blocks whose UE4M3 scales span the unclamped range, with amaxes at 6x each E4M3 value and midpoint (±1 ulp), and zeros."
+    """Blocks whose UE4M3 scales span the unclamped range, with amaxes at 6x each E4M3 value and midpoint (±1 ulp), and
+    zeros."""
     g, e4 = torch.Generator().manual_seed(seed), get_format("E4M3")
     mags = torch.exp2(torch.rand(n_random, 1, generator=g) * 14.5 - 3.4)              # amax/6 in about [2^-6, 448]
     x = torch.randn(n_random, block, generator=g) * mags / 3
@@ -262,8 +293,10 @@ def _scale_code_range(r: BlockRecipe) -> tuple[int, int]:
     sf = get_format(r.scale)
     return int(to_bits(torch.tensor([sf.min_normal]), sf)), int(to_bits(torch.tensor([sf.max_value]), sf))
 
+# %% ../nbs/07_microscaling.ipynb #3d87a5dd
 def block_stats(x: torch.Tensor, b: Blocked, recipe) -> dict[str, torch.Tensor]:
-    "Diagnostics of block-quantizing `x` to `b` with `recipe`: scale histogram and clamps, saturation, underflow, MSE, SQNR."
+    """Diagnostics of block-quantizing `x` to `b` with `recipe`: scale histogram and clamps, saturation, underflow, MSE,
+    SQNR."""
     r = get_recipe(recipe); x = x.detach().float(); fmt = get_format(r.elem)
     codes = (b.scales if r.scale == "UE8M0" else to_bits(b.scales, r.scale)).long().reshape(-1)
     lo, hi = _scale_code_range(r); err = (x - b.values).double()
@@ -281,8 +314,10 @@ def element_scales(x: torch.Tensor, recipe, axis: int = -1, weight: bool = False
     eff = _scales_of(xv.abs().amax(dim=(1, 3), keepdim=True), _block_args(r, xv.device))[3]
     return eff.expand_as(xv).reshape(shape).movedim(-1, axis)
 
+# %% ../nbs/07_microscaling.ipynb #e82290e5
 def block_ulp(x: torch.Tensor, recipe, axis: int = -1, weight: bool = False) -> torch.Tensor:
-    "The grid step at each element of `x` on its block's grid: the element format's quantum there × the element's scale."
+    """The grid step at each element of `x` on its block's grid: the element format's quantum there × the element's
+    scale."""
     r = get_recipe(recipe)
     b = quantize_blocks(x, r, axis, weight, compiled=False)
     return get_format(r.elem).ulp(b.elements) * element_scales(x, r, axis, weight)

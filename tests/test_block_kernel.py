@@ -64,21 +64,35 @@ def _canonical(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t.isnan(), float("nan"), t).view(torch.int32) if t.is_floating_point() else t
 
 
-@pytest.mark.parametrize("name", ["mxfp8/rceil", "mxfp4/floor", "nvfp4/nearest"])
-def test_compiled_block_kernel_matches_the_eager_one(name):
-    """The compiled kernel (forced) gives the eager kernel's bits (which the fixture pins), NaN payloads aside, for three
-    recipes (compiling is slow). The kernel it replaced differed from its eager path in NaN payloads as well."""
-    from altgrad.microscaling import quantize_blocks
+def _interleaved_cases():
+    """Every variant under nearest and stochastic rounding along both axes, ordered so that the element format changes
+    from one case to the next while the graph's static key (scale rounding, 1-D/2-D, rounding mode) stays: the order in
+    which a graph compiled for one element format was once reused, wrongly, for the next (mxfp8, then mxfp8_e5m2)."""
+    cases = [(k, r, rd, ax) for k, r in _variants() for rd in ("nearest", "stochastic") for ax in (-1, 0)]
+    return sorted(cases, key=lambda c: (c[0].split("/")[1:], c[2], c[3], c[0]))
+
+
+def test_compiled_block_kernel_matches_the_eager_one_for_every_recipe():
+    """The compiled kernel (forced) gives the eager kernel's bits (which the fixture pins), NaN payloads aside, for every
+    registered recipe, scale rounding, 1-D and 2-D block, axis and rounding mode, in one process, element formats
+    interleaved. The kernel it replaced differed from its eager path in NaN payloads as well."""
+    from altgrad.microscaling import quantize_blocks, _compiled_view
     from altgrad.formats import _compile_broken
     if _compile_broken: pytest.skip("torch.compile does not work here")
-    for key, r in _variants():
-        if not key.startswith(name + "/1d"): continue
+    bad, n = [], 0
+    for key, r, rd, ax in _interleaved_cases():
         x = _inputs(r)
-        e, c = (quantize_blocks(x, r, -1, False, "nearest", compiled=k) for k in (False, True))
+        if ax == 0: x = x.T.contiguous()
+        e, c = (quantize_blocks(x, r, ax, r.weight_tiles, rd, torch.Generator().manual_seed(7), compiled=k)
+                for k in (False, True))
         assert not _compile_broken
         for u, v in zip(e, c):
             if u is None: assert v is None; continue
-            assert torch.equal(_canonical(u), _canonical(v)), key
+            n += 1
+            if not torch.equal(_canonical(u), _canonical(v)): bad.append(f"{key}/{rd}/axis{ax}")
+    assert len(_compiled_view) >= 10                    # 4 E8M0 roundings + NVFP4, × nearest/stochastic: all compiled
+    assert n == 42 * 2 * 2 * 3 + 2 * 2 * 2, n           # values, elements, scales (+ NVFP4's tensor scale) per case
+    assert not bad, f"{len(bad)} of {n} tensors differ: {bad[:8]}"
 
 
 if __name__ == "__main__" and "--write" in sys.argv:
