@@ -10,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from .runs import Run
+from .block_gemm import is_block_format, get_gemm_config
 
 # %% auto #0
 __all__ = ['BLOCK_COLUMNS', 'BLOCK_ROLES', 'block_means', 'scale_histograms', 'plot_block_diagnostics', 'block_section',
@@ -88,7 +89,6 @@ def block_section(run: Run, fig_dir: Path) -> list[str]:
 # %% ../nbs/18_block_report.ipynb #0b1ec398
 def block_scaling_text(fmt) -> str | None:
     "How a run in `fmt` scaled its operands, when `fmt` is a block recipe (None otherwise)."
-    from altgrad.block_gemm import is_block_format, get_gemm_config
     if not fmt or not is_block_format(fmt): return None
     r = get_gemm_config(fmt).recipe
     return (f"a {r.scale} scale per block of {r.block} along each GEMM's reduction dimension"
