@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_config.ipynb #e1f88aea
 from __future__ import annotations
-import copy, difflib, os, re, sys, tempfile, types, typing
+import copy, difflib, math, os, re, sys, tempfile, types, typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 import yaml
@@ -16,8 +16,8 @@ from .regimes import UPDATE_RULES, UpdateRule, rule_of, settings_of   # (nbs/04c
 __all__ = ['BLOCK_FIXED_KEYS', 'REGIME_KEYS', 'KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS',
            'RESEARCH_KEYS', 'ConfigError', 'TrainConfig', 'regime_keys', 'as_rule', 'rule_from_keys', 'saved_regime',
            'fold_regime', 'merge_keys', 'renamed_keys', 'missing_keys', 'config_keys_help', 'check_keys', 'preset_path',
-           'load_config', 'parse_value', 'parse_overrides', 'save_config', 'resolve_device', 'autocast_dtype',
-           'research_choices']
+           'load_config', 'parse_value', 'parse_overrides', 'save_config', 'lr_at', 'resolve_device', 'autocast_dtype',
+           'device_info', 'research_choices']
 
 # %% ../nbs/05_config.ipynb #0c920285
 class ConfigError(ValueError):
@@ -615,6 +615,17 @@ def save_config(cfg: TrainConfig, path: str | os.PathLike) -> Path:
         Path(tmp).unlink(missing_ok=True); raise
     return path
 
+# %% ../nbs/05_config.ipynb #0d777810
+def lr_at(step: int, cfg) -> float:
+    """Learning rate of optimizer step `step` (1-based): linear warmup, cosine decay to `min_lr` at `decay_steps`,
+    then flat."""
+    if step < 0: raise ValueError(f"step must be >= 0, got {step}")
+    w, d = cfg.warmup_steps, cfg.decay_steps
+    if w > 0 and step <= w: return cfg.lr * step / w
+    if step >= d: return cfg.min_lr
+    r = (step - w) / (d - w)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * r)) * (cfg.lr - cfg.min_lr)
+
 # %% ../nbs/05_config.ipynb #d3edd62c
 def resolve_device(cfg: TrainConfig) -> str:
     "'cuda' (or 'cuda:N') / 'cpu' for `cfg.device`; 'auto' picks CUDA when available."
@@ -630,6 +641,14 @@ def autocast_dtype(cfg: TrainConfig, device: str | torch.device) -> torch.dtype 
     if cfg.precision == "bf16": return torch.bfloat16
     if cfg.precision == "auto" and dev == "cuda": return torch.bfloat16
     return None
+
+# %% ../nbs/05_config.ipynb #2db6232c
+def device_info(device) -> dict:
+    """The torch version and, on CUDA, the GPU's name and the CUDA version: what a write-up must state about where it
+    ran."""
+    cuda = torch.device(device).type == "cuda"
+    return dict(torch=torch.__version__, cuda=torch.version.cuda if cuda else None,
+                gpu=torch.cuda.get_device_name(torch.device(device)) if cuda else None)
 
 # %% ../nbs/05_config.ipynb #586af950
 RESEARCH_KEYS = ("run_order", "expectations", "retries")

@@ -10,13 +10,14 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from .config import ConfigError
 
 # %% auto #0
 __all__ = ['ENV_SHARED', 'TOKENIZER', 'GPT2_BPE_FILES', 'SPLITS', 'HUB_DEFAULT', 'Part', 'META_VERSION', 'VOCAB_FILE',
            'shared_data_dir', 'get_tokenizer', 'split_name', 'prepare_cmd', 'resolve_source', 'local_plan', 'hub_plan',
-           'load_meta', 'prepare_eurlex', 'open_split', 'TokenData', 'batch_starts', 'get_batch', 'build_vocab',
-           'remap_table', 'vocab_dir', 'prepare_vocab', 'load_vocab', 'vocab_info', 'data_for_vocab', 'prepare_cli',
-           'unigram_baseline']
+           'load_meta', 'prepare_eurlex', 'open_split', 'TokenData', 'batch_starts', 'get_batch', 'eval_windows',
+           'window_batch', 'build_vocab', 'remap_table', 'vocab_dir', 'prepare_vocab', 'load_vocab', 'vocab_info',
+           'data_for_vocab', 'prepare_cli', 'unigram_baseline']
 
 # %% ../nbs/10_data.ipynb #874e91d4
 ENV_SHARED = "ALTGRAD_SHARED_DATA"
@@ -322,6 +323,23 @@ def get_batch(data, block_size: int, batch_size: int, device="cpu", generator: t
     if torch.device(device).type == "cuda":
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
+
+# %% ../nbs/10_data.ipynb #2c01a5e4
+def eval_windows(n_tokens: int, block_size: int, eval_tokens: int) -> np.ndarray:
+    "Start offsets of the fixed validation set: ceil(eval_tokens / block_size) windows, evenly spaced, no random draw."
+    n, last = -(-int(eval_tokens) // block_size), n_tokens - block_size - 1   # windows; the last possible start
+    if n < 1: raise ValueError(f"eval_tokens must be > 0, got {eval_tokens}")
+    if n * block_size > n_tokens - 1:
+        raise ConfigError(f"eval_tokens={eval_tokens} needs {n} windows of block_size={block_size} tokens, more "
+                          f"than the validation split's {n_tokens:,} tokens hold without overlap; "
+                          f"use eval_tokens<={(n_tokens - 1) // block_size * block_size}")
+    return np.array([i * last // max(n - 1, 1) for i in range(n)], dtype=np.int64)
+
+# %% ../nbs/10_data.ipynb #6aac751b
+def window_batch(data, starts, block_size: int, device="cpu"):
+    "`(x, y)` of the windows of `data` starting at `starts`, built as `get_batch` builds its random ones."
+    buf = torch.from_numpy(np.asarray(data[np.asarray(starts)[:, None] + np.arange(block_size + 1)], dtype=np.int64))
+    return buf[:, :-1].contiguous().to(device), buf[:, 1:].contiguous().to(device)
 
 # %% ../nbs/10_data.ipynb #100b0044
 VOCAB_FILE = "vocab.json"

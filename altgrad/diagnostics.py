@@ -7,12 +7,14 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 import torch
-from .formats import FP8Format, get_format, quantize, to_bits
+from .formats import (FP8Format, get_format, quantize, to_bits, compile_kernel, compile_mode,
+                             COMPILE_MIN_NUMEL)
+from .notice import notice
 from .scaling import expand_scale
 
 # %% auto #0
-__all__ = ['GRAD_STATS', 'range_edges', 'quantization_stats', 'bit_histogram', 'dynamic_range_used', 'stall_counts',
-           'stall_fraction', 'BitStallDetector', 'grad_stats_batch', 'grad_stats_tensor', 'grad_stats',
+__all__ = ['GRAD_STATS', 'range_edges', 'quantization_stats', 'count_range', 'bit_histogram', 'dynamic_range_used',
+           'stall_counts', 'stall_fraction', 'BitStallDetector', 'grad_stats_batch', 'grad_stats_tensor', 'grad_stats',
            'zero_update_count', 'zero_update_fraction', 'DeadNeuronTracker']
 
 # %% ../nbs/03_diagnostics.ipynb #66ec3184
@@ -50,6 +52,46 @@ def quantization_stats(x: torch.Tensor, fmt, scale=1.0, granularity: str | None 
     ovf, und, nan = _stats_tensor(x, fmt, _scaled(x, scale, granularity, block_size)).tolist()
     return dict(overflow=ovf, underflow=und, nan=nan, total=n,
                 overflow_rate=ovf / n if n else 0.0, underflow_rate=und / n if n else 0.0)
+
+# %% ../nbs/03_diagnostics.ipynb #6608d890
+def _count_kernel(x, q, s, over, tie_up):
+    a = (x * s).abs()
+    ovf = (a > over) | ((a == over) & tie_up)
+    und = (q == 0) & (x != 0)
+    bad = ~torch.isfinite(x)
+    return torch.stack([ovf.sum(), und.sum(), (bad.sum() > 0).long()])
+
+_count_compiled: list = []      # [compiled kernel] once built; [None] if compiling failed
+_edge_cache: dict = {}
+
+# %% ../nbs/03_diagnostics.ipynb #a2243bf2
+def count_range(x: torch.Tensor, q: torch.Tensor, s, fmt) -> torch.Tensor:
+    """int64 `[overflow, underflow, any non-finite]` of `x` quantized as `q = Q(x; s)` (one fused pass, no sync).
+
+    Overflow: `|x s|` beyond `fmt`'s largest value after rounding (`diagnostics.range_edges`); underflow: `x != 0` with
+    `q == 0`; the last entry is 1 if `x` holds inf or NaN. Compiled like `formats.quantize` (same size threshold and
+    `ALTGRAD_COMPILE` switch), eager otherwise."""
+    s = s if torch.is_tensor(s) else torch.tensor(float(s), device=x.device)
+    over_t, tie_t = _edges(fmt, x.device)
+    mode = compile_mode()
+    if (mode == "always" or (mode == "auto" and x.numel() >= COMPILE_MIN_NUMEL)) and not torch.compiler.is_compiling() \
+            and _count_compiled != [None]:
+        try:
+            if not _count_compiled: _count_compiled.append(compile_kernel(_count_kernel))
+            return _count_compiled[0](x, q, s, over_t, tie_t)
+        except Exception as e:
+            _count_compiled[:] = [None]
+            notice(f"torch.compile of the range counters failed ({type(e).__name__}); using eager kernels")
+    return _count_kernel(x, q, s, over_t, tie_t)
+
+# %% ../nbs/03_diagnostics.ipynb #336566a2
+def _edges(fmt, device) -> tuple[torch.Tensor, torch.Tensor]:
+    "`diagnostics.range_edges(fmt)`'s overflow edge and tie flag as tensors on `device` (cached)."
+    key = (fmt, device)
+    if key not in _edge_cache:
+        over, tie_up, _ = range_edges(fmt)
+        _edge_cache[key] = (torch.tensor(over, dtype=torch.float32, device=device), torch.tensor(tie_up, device=device))
+    return _edge_cache[key]
 
 # %% ../nbs/03_diagnostics.ipynb #80ad4a19
 def bit_histogram(x: torch.Tensor, fmt, scale=1.0, granularity: str | None = None,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 __all__ = ['DEFAULT_TIMEOUT', 'DistEnv', 'dist_env', 'dist_timeout', 'DistributedError', 'is_distributed', 'rank', 'world_size',
            'is_main', 'device_for', 'init_distributed', 'destroy_distributed', 'all_reduce_max', 'all_reduce_sum',
            'all_true', 'average_', 'all_reduce_max_', 'broadcast_object', 'all_gather_object', 'barrier',
-           'sigterm_as_exit']
+           'check_ranks_agree', 'sigterm_as_exit']
 
 # %% ../nbs/06_distributed.ipynb #efea4f72
 @dataclass(frozen=True)
@@ -182,6 +182,21 @@ def all_gather_object(obj) -> list:
 def barrier():
     "Wait for every rank (no-op in a single process)."
     if is_distributed(): _collective("barrier", dist.barrier)
+
+# %% ../nbs/06_distributed.ipynb #44d12755
+def check_ranks_agree(path, reports: list) -> int:
+    """`reports[r]` = (error or None, step) of rank `r` after loading the checkpoint `path` that rank 0 chose: the
+    common step, else a `ConfigError` naming the ranks that could not read it or the ranks' different steps."""
+    bad = [(r, err) for r, (err, _) in enumerate(reports) if err is not None]
+    if bad:
+        raise ConfigError(f"cannot resume from {path} (chosen by rank 0): "
+                          + "; ".join(f"rank {r} cannot read it ({e})" for r, e in bad)
+                          + "; out_dir must be on a filesystem that every rank (every node) sees")
+    steps = [s for _, s in reports]
+    if len(set(steps)) > 1:
+        raise ConfigError(f"ranks disagree after loading {path}: "
+                          + ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps)))
+    return steps[0]
 
 # %% ../nbs/06_distributed.ipynb #09038370
 @contextlib.contextmanager

@@ -4,9 +4,9 @@
 
 # %% ../nbs/01_formats.ipynb #a2104aa6
 from __future__ import annotations
-import math
+import dataclasses, math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 import torch
 from .notice import notice
 
@@ -15,7 +15,7 @@ __all__ = ['FP8Format', 'FORMAT_REGISTRY', 'ALL_FORMATS', 'E5M2', 'E4M3', 'E3M4'
            'E4M3_NAN', 'E2M1', 'E2M3', 'E3M2', 'FP16', 'BF16', 'UE8M0', 'UE4M3', 'COMPILE_MIN_NUMEL', 'KERNEL_OPTIONS',
            'FloatFormat', 'register_format', 'get_format', 'grid_equivalent', 'equivalent_formats', 'quantize_integer',
            'compile_mode', 'compile_kernel', 'quantize', 'to_bits', 'from_bits', 'adversarial_inputs',
-           'reference_quantize', 'quantize_ste']
+           'reference_quantize', 'sr_generator', 'saturating', 'quantize_ste']
 
 # %% ../nbs/01_formats.ipynb #616a0047
 _SPECIALS = ("ieee", "fn", "finite")
@@ -463,6 +463,33 @@ def reference_quantize(x: torch.Tensor, fmt) -> torch.Tensor:
     r = torch.where(torch.signbit(x), -r, r).float()
     r = torch.where(torch.isnan(x), x, r)
     return r if fmt.signed and fmt.subnormals else _gaps(r, x.float(), _tiny(fmt), not fmt.signed)
+
+# %% ../nbs/01_formats.ipynb #96bdb76a
+def sr_generator(seed: int, *ids: int) -> torch.Generator:
+    """A CPU generator seeded from `(seed, *ids)` (e.g. run seed, layer, step): stochastic rounding reproducible on
+    resume."""
+    h = (int(seed) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % (1 << 63)
+    for i in ids: h = ((h ^ int(i)) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (1 << 63)
+    return torch.Generator().manual_seed(h)
+
+# %% ../nbs/01_formats.ipynb #0e288694
+@lru_cache(maxsize=None)
+def saturating(fmt: FP8Format) -> FP8Format:
+    "`fmt` with overflow clamped to ±max (same grid, same name)."
+    return fmt if fmt.overflow == "saturate" else dataclasses.replace(fmt, overflow="saturate")
+
+# %% ../nbs/01_formats.ipynb #31225121
+def _fmt_spec(f: FP8Format) -> dict:
+    "A format as plain data (for checkpoints; the newer fields only where they differ from their defaults)."
+    d = dict(name=f.name, exp_bits=f.exp_bits, man_bits=f.man_bits, bias=f.bias, special=f.special, overflow=f.overflow)
+    more = [x.name for x in dataclasses.fields(f) if x.name not in d and getattr(f, x.name) != x.default]
+    return d | {k: getattr(f, k) for k in more}
+
+def _fmt_from_spec(d: dict) -> FP8Format:
+    "Inverse of `_fmt_spec` (the registry's object when the format is registered)."
+    f = FP8Format(**d)
+    reg = ALL_FORMATS.get(f.name.upper())
+    return reg if reg == f else f
 
 # %% ../nbs/01_formats.ipynb #00ae9e97
 class _QuantizeSTE(torch.autograd.Function):

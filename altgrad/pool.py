@@ -7,11 +7,12 @@ from __future__ import annotations
 import contextlib, os, signal, subprocess, sys, threading, time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 import torch
 from .config import resolve_device
 
 # %% auto #0
-__all__ = ['JobsInterrupted', 'job_env', 'runs_on_cpu', 'one_thread', 'Job', 'run_pool']
+__all__ = ['JobsInterrupted', 'Interrupted', 'catch_interrupts', 'job_env', 'runs_on_cpu', 'one_thread', 'Job', 'run_pool']
 
 # %% ../nbs/19_pool.ipynb #60e9dd99
 class JobsInterrupted(KeyboardInterrupt):
@@ -22,6 +23,31 @@ class JobsInterrupted(KeyboardInterrupt):
         self.signum, self.rcs = int(signum), dict(rcs or {})
     @property
     def exit_code(self) -> int: return 128 + self.signum
+
+# %% ../nbs/19_pool.ipynb #682dfd07
+class Interrupted(KeyboardInterrupt):
+    """Training stopped by SIGINT/SIGTERM after checkpointing step `step`; `exit_code` 130 / 143, as a shell reports
+    them."""
+    def __init__(self, signum: int, step: int, summary: dict | None = None):
+        super().__init__(f"interrupted at step {step}: checkpoint saved; rerun the same command to resume")
+        self.signum, self.step, self.summary = int(signum), int(step), summary
+    @property
+    def exit_code(self) -> int: return 128 + self.signum
+
+# %% ../nbs/19_pool.ipynb #b8659ad8
+@contextlib.contextmanager
+def catch_interrupts(active: bool = True):
+    "While active (main thread only): SIGINT/SIGTERM only set `.signum` (the first one); a third SIGINT raises at once."
+    stop = SimpleNamespace(signum=None, count=0)
+    if not active or threading.current_thread() is not threading.main_thread(): yield stop; return
+    def handler(signum, frame):
+        stop.count += 1
+        if stop.signum is None: stop.signum = signum
+        if signum == signal.SIGINT and stop.count >= 3: raise KeyboardInterrupt
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try: yield stop
+    finally:
+        for s, h in old.items(): signal.signal(s, h)
 
 # %% ../nbs/19_pool.ipynb #93857f15
 def job_env(cpu: bool, env: dict | None = None) -> dict:

@@ -12,10 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .formats import (ALL_FORMATS, COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_kernel, compile_mode,
                              get_format, quantize, _draw_seed, _kernel_nearest, _kernel_stochastic, _tensor_params,
-                             _want_compiled)
+                             _want_compiled, saturating, sr_generator, _fmt_spec, _fmt_from_spec)
 from .scaling import (AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale,
                              partition_clip, scale_kernel)
-from .diagnostics import bit_histogram, range_edges
+from .diagnostics import bit_histogram, range_edges, count_range, _count_kernel, _edges
 from .distributed import all_reduce_max, all_reduce_max_, all_reduce_sum, is_distributed
 from .notice import notice
 from .metrics import HostRead
@@ -25,21 +25,14 @@ from .block_gemm import (is_block_format, block_layer, block_layers, grid_block_
                                 block_histograms)
 
 # %% auto #0
-__all__ = ['SCALINGS', 'ROUNDINGS', 'sr_generator', 'saturating', 'count_range', 'TensorQuantizer', 'QuantizedLinear',
-           'LayerFormat', 'quantize_model', 'quantize_model_from_config', 'quantized_layers', 'commit_amax',
-           'set_distributed', 'set_accumulation', 'pending_amax', 'load_pending_amax', 'quant_metrics',
-           'reset_quant_metrics', 'queue_quant_metrics', 'quant_histograms']
+__all__ = ['SCALINGS', 'ROUNDINGS', 'TensorQuantizer', 'QuantizedLinear', 'LayerFormat', 'quantize_model',
+           'quantize_model_from_config', 'quantized_layers', 'commit_amax', 'set_distributed', 'set_accumulation',
+           'pending_amax', 'load_pending_amax', 'quant_metrics', 'reset_quant_metrics', 'queue_quant_metrics',
+           'quant_histograms']
 
 # %% ../nbs/20_quantized.ipynb #5b149faf
 SCALINGS = ("delayed", "current")
 ROUNDINGS = ("nearest", "stochastic")
-
-def sr_generator(seed: int, *ids: int) -> torch.Generator:
-    """A CPU generator seeded from `(seed, *ids)` (e.g. run seed, layer, step): stochastic rounding reproducible on
-    resume."""
-    h = (int(seed) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % (1 << 63)
-    for i in ids: h = ((h ^ int(i)) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (1 << 63)
-    return torch.Generator().manual_seed(h)
 
 # %% ../nbs/20_quantized.ipynb #2c355cb4
 def _lazy_load(module: nn.Module, state_dict: dict, prefix: str, names):
@@ -47,65 +40,6 @@ def _lazy_load(module: nn.Module, state_dict: dict, prefix: str, names):
     for n in names:
         v = state_dict.get(prefix + n)
         if v is not None: setattr(module, n, torch.zeros(v.shape, dtype=v.dtype, device=getattr(module, n).device))
-
-# %% ../nbs/20_quantized.ipynb #31225121
-def _fmt_spec(f: FP8Format) -> dict:
-    "A format as plain data (for checkpoints; the newer fields only where they differ from their defaults)."
-    d = dict(name=f.name, exp_bits=f.exp_bits, man_bits=f.man_bits, bias=f.bias, special=f.special, overflow=f.overflow)
-    more = [x.name for x in dataclasses.fields(f) if x.name not in d and getattr(f, x.name) != x.default]
-    return d | {k: getattr(f, k) for k in more}
-
-def _fmt_from_spec(d: dict) -> FP8Format:
-    "Inverse of `_fmt_spec` (the registry's object when the format is registered)."
-    f = FP8Format(**d)
-    reg = ALL_FORMATS.get(f.name.upper())
-    return reg if reg == f else f
-
-# %% ../nbs/20_quantized.ipynb #0e288694
-@lru_cache(maxsize=None)
-def saturating(fmt: FP8Format) -> FP8Format:
-    "`fmt` with overflow clamped to ±max (same grid, same name)."
-    return fmt if fmt.overflow == "saturate" else dataclasses.replace(fmt, overflow="saturate")
-
-# %% ../nbs/20_quantized.ipynb #6608d890
-def _count_kernel(x, q, s, over, tie_up):
-    a = (x * s).abs()
-    ovf = (a > over) | ((a == over) & tie_up)
-    und = (q == 0) & (x != 0)
-    bad = ~torch.isfinite(x)
-    return torch.stack([ovf.sum(), und.sum(), (bad.sum() > 0).long()])
-
-_count_compiled: list = []      # [compiled kernel] once built; [None] if compiling failed
-_edge_cache: dict = {}
-
-# %% ../nbs/20_quantized.ipynb #a2243bf2
-def count_range(x: torch.Tensor, q: torch.Tensor, s, fmt) -> torch.Tensor:
-    """int64 `[overflow, underflow, any non-finite]` of `x` quantized as `q = Q(x; s)` (one fused pass, no sync).
-
-    Overflow: `|x s|` beyond `fmt`'s largest value after rounding (`diagnostics.range_edges`); underflow: `x != 0` with
-    `q == 0`; the last entry is 1 if `x` holds inf or NaN. Compiled like `formats.quantize` (same size threshold and
-    `ALTGRAD_COMPILE` switch), eager otherwise."""
-    s = s if torch.is_tensor(s) else torch.tensor(float(s), device=x.device)
-    over_t, tie_t = _edges(fmt, x.device)
-    mode = compile_mode()
-    if (mode == "always" or (mode == "auto" and x.numel() >= COMPILE_MIN_NUMEL)) and not torch.compiler.is_compiling() \
-            and _count_compiled != [None]:
-        try:
-            if not _count_compiled: _count_compiled.append(compile_kernel(_count_kernel))
-            return _count_compiled[0](x, q, s, over_t, tie_t)
-        except Exception as e:
-            _count_compiled[:] = [None]
-            notice(f"torch.compile of the range counters failed ({type(e).__name__}); using eager kernels")
-    return _count_kernel(x, q, s, over_t, tie_t)
-
-# %% ../nbs/20_quantized.ipynb #336566a2
-def _edges(fmt, device) -> tuple[torch.Tensor, torch.Tensor]:
-    "`diagnostics.range_edges(fmt)`'s overflow edge and tie flag as tensors on `device` (cached)."
-    key = (fmt, device)
-    if key not in _edge_cache:
-        over, tie_up, _ = range_edges(fmt)
-        _edge_cache[key] = (torch.tensor(over, dtype=torch.float32, device=device), torch.tensor(tie_up, device=device))
-    return _edge_cache[key]
 
 # %% ../nbs/20_quantized.ipynb #9a9ad6d2
 def _operand_kernel(x, hist, use_hist, given, use_given, target, prev, seed, over, tie_up, **p):

@@ -4,11 +4,12 @@
 
 # %% ../nbs/17_runs.ipynb #29a00003
 from __future__ import annotations
-import copy, fnmatch, json, math, os
+import copy, fnmatch, json, math, os, time
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
+from .notice import notice
 from .config import RENAMED_KEYS, ConfigError, TrainConfig, load_config, missing_keys
 from .tracking import (read_metrics, read_alerts, write_metrics_compact, encode_json, read_metrics_compact,
                               same_records, metrics_file, METRICS_JSONL, METRICS_COMPACT, _column, _ABSENT, _META_KEY)
@@ -19,8 +20,9 @@ __all__ = ['ALERTS_JSONL', 'ALERTS_COMPACT', 'TABLE', 'TABLE_PARQUET', 'STEPS_FI
            'read_summary', 'current_keys', 'layer_formats_of', 'load_run', 'read_table', 'read_steps', 'is_dataset',
            'dataset_of', 'read_config', 'has_run', 'run_files', 'run_status', 'run_finished', 'final_loss',
            'ignored_key', 'saved_config', 'data_identity', 'config_diff', 'config_reasons', 'same_config', 'check_run',
-           'is_writeup', 'is_sweep', 'find_writeups', 'find_sweeps', 'find_matrices', 'reuse_marker', 'load_runs',
-           'run_folders', 'write_dataset', 'packed_runs', 'unpack_dataset']
+           'RunExists', 'run_state', 'move_to_previous', 'claim_out_dir', 'is_writeup', 'is_sweep', 'find_writeups',
+           'find_sweeps', 'find_matrices', 'reuse_marker', 'load_runs', 'run_folders', 'write_dataset', 'packed_runs',
+           'unpack_dataset']
 
 # %% ../nbs/17_runs.ipynb #29a00006
 @dataclass
@@ -326,6 +328,49 @@ def check_run(run_dir, cfg=None, accept=DONE) -> tuple:
     except Exception as e: return None, [f"per-step metrics missing or unreadable: {type(e).__name__}: {e}"]
     if not run.metrics: return None, ["the per-step metrics are empty"]
     return run, []
+
+# %% ../nbs/17_runs.ipynb #1ee11a65
+class RunExists(ConfigError):
+    "A fresh run would replace a finished or interrupted run in its `out_dir`."
+
+def run_state(run_dir) -> tuple[str, dict]:
+    "('finished' | 'interrupted' | 'partial' | 'empty', its summary.json or {}): what `run_dir` holds (see above)."
+    d = Path(run_dir); s = read_json(d / "summary.json", {})          # this folder's own summary, not a dataset row
+    if not isinstance(s, dict): s = {}
+    if run_status(s) in DONE: return "finished", s
+    if any((d / "checkpoints").glob("step_*.pt")): return "interrupted", s
+    logged = any(p.exists() and p.stat().st_size
+                 for p in (d / "summary.json", d / "metrics.jsonl", d / "metrics.parquet"))
+    return ("partial" if logged else "empty"), s
+
+# %% ../nbs/17_runs.ipynb #cc330c11
+def move_to_previous(run_dir) -> Path:
+    "Move the run files of `run_dir` (`RUN_FILES`) into `run_dir/_previous/<time>/`; returns that folder."
+    d = Path(run_dir); dst = d / "_previous" / time.strftime("%Y%m%d_%H%M%S")
+    while dst.exists(): dst = dst.with_name(dst.name + "_")
+    dst.mkdir(parents=True)
+    for p in run_files(d): os.replace(p, dst / p.name)
+    return dst
+
+# %% ../nbs/17_runs.ipynb #7c3912d0
+def claim_out_dir(run_dir, cfg: TrainConfig, overwrite: bool = False) -> bool:
+    """Make `run_dir` ready for a fresh run of `cfg`; True: it holds an interrupted run of this config, resume it
+    (see above)."""
+    d = Path(run_dir); state, s = run_state(d)
+    if state == "empty": return False
+    at = f"step {s.get('final_step', '?')} of {s.get('max_steps', cfg.max_steps)}"
+    if not overwrite and state != "partial":
+        diff = config_reasons(d, cfg)
+        if state == "interrupted" and not diff:
+            notice(f"{d} holds an interrupted run of this config ({at}): resuming it"); return True
+        what = "a finished run" if state == "finished" else "an interrupted run of another config"
+        raise RunExists(f"{d} holds {what} ({at}"
+                        + (f"; {'; '.join(diff[:3])}" + (" ..." if len(diff) > 3 else "") if diff else "")
+                        + "): refusing to replace it; pass --overwrite (overwrite=True) to move it to "
+                        + f"{d / '_previous'}/ and start afresh, resume=true to continue it, or another out_dir")
+    dst = move_to_previous(d)
+    notice(f"moved the earlier run in {d} ({state}, {at}) to {dst.relative_to(d)}/")
+    return False
 
 # %% ../nbs/17_runs.ipynb #29a00019
 REUSED_FILE = "reused.json"

@@ -4,22 +4,23 @@
 
 # %% ../nbs/15_tracking.ipynb #608e3c98
 from __future__ import annotations
-import json, math, os, re, struct, sys, time, uuid, warnings, zlib
+import json, math, os, sys, time, uuid, warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 import numpy as np
 import torch
 from fastcore.basics import patch
 from .notice import AltgradNotice, notice   # re-exported: they lived here before `altgrad.notice`
+from .wandb_files import (read_wandb_records, wandb_log_complete, wait_for_wandb_log, wandb_run_files,
+                                 read_wandb_history, read_wandb_alerts, read_wandb_run_ids)   # (re-exported)
 
 # %% auto #0
 __all__ = ['METRICS_JSONL', 'METRICS_COMPACT', 'DEFAULT_COOLDOWNS', 'COMPACT_COLUMNS', 'LAYER_COLUMNS', 'to_python',
            'encode_json', 'decode_json', 'read_metrics', 'write_metrics_compact', 'compact_info',
-           'read_metrics_compact', 'metrics_file', 'same_records', 'compact_metrics', 'read_wandb_records',
-           'wandb_log_complete', 'wait_for_wandb_log', 'wandb_run_files', 'read_wandb_history', 'read_wandb_alerts',
-           'read_wandb_run_ids', 'wandb_logged_in', 'resolve_wandb_mode', 'Tracker', 'read_alerts', 'find_breaches',
-           'truncate_records', 'NullTracker', 'compact_columns', 'thin_alerts', 'compact_run']
+           'read_metrics_compact', 'metrics_file', 'same_records', 'compact_metrics', 'wandb_logged_in',
+           'resolve_wandb_mode', 'Tracker', 'read_alerts', 'find_breaches', 'truncate_records', 'NullTracker',
+           'compact_columns', 'thin_alerts', 'compact_run']
 
 # %% ../nbs/15_tracking.ipynb #e39ad7c7
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -207,113 +208,6 @@ def compact_metrics(run_dir: str | os.PathLike, remove_jsonl: bool = False, chec
         p.unlink(); raise RuntimeError(f"{p}: the compact records differ from {j}; removed it (please report this bug)")
     if remove_jsonl: j.unlink()
     return p
-
-# %% ../nbs/15_tracking.ipynb #ba45286f
-_WB_BLOCK, _WB_HEADER = 32768, 7
-
-# %% ../nbs/15_tracking.ipynb #80962ad4
-def read_wandb_records(path: str | os.PathLike, tail_blocks: int | None = None) -> Iterator:
-    """Yield the protobuf `Record`s of one W&B transaction log (`run-*.wandb`); stops with a warning at a torn tail.
-
-    `tail_blocks`: read only the last that many 32 KiB blocks (records cut by the start are skipped): a cheap look at
-    the end of a long log."""
-    from wandb.proto import wandb_internal_pb2 as pb
-    path = Path(path)
-    with open(path, "rb") as f:
-        head = f.read(_WB_HEADER)
-        size = f.seek(0, os.SEEK_END)
-        start = _WB_HEADER if tail_blocks is None else max(_WB_HEADER,
-                                                           (size // _WB_BLOCK - tail_blocks + 1) * _WB_BLOCK)
-        f.seek(0); data = f.read() if start == _WB_HEADER else (f.seek(start), f.read())[1]
-    off = 0 if start == _WB_HEADER else start           # file offset of data[0]
-    ident, magic, version = struct.unpack("<4sHB", head) if len(head) >= _WB_HEADER else (b"", 0, 0)
-    if ident != b":W&B" or magic != 0xBEE1: raise ValueError(f"{path} is not a W&B run file (bad header {head!r})")
-    if version != 0: raise ValueError(f"{path}: unsupported W&B log version {version}")
-    i, frag, partial = start - off, None, start != _WB_HEADER
-    while i < len(data):
-        left = _WB_BLOCK - (i + off) % _WB_BLOCK
-        if left < _WB_HEADER: i += left; continue  # block trailer padding
-        if i + _WB_HEADER > len(data): break
-        crc, n, kind = struct.unpack("<IHB", data[i:i + _WB_HEADER])
-        if crc == 0 and n == 0 and kind == 0: i += left; continue  # zero padding
-        chunk = data[i + _WB_HEADER:i + _WB_HEADER + n]
-        if len(chunk) < n: notice(f"{path}: truncated record at byte {i + off} (run still open or killed?)"); return
-        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
-            notice(f"{path}: checksum mismatch at byte {i + off}; stopping"); return
-        i += _WB_HEADER + n
-        if partial and kind in (3, 4): continue   # the rest of a record that began before the tail
-        partial = False
-        if kind == 1: whole = chunk               # FULL
-        elif kind == 2: frag = chunk; continue    # FIRST
-        elif kind == 3: frag = (frag or b"") + chunk; continue  # MIDDLE
-        elif kind == 4: whole, frag = (frag or b"") + chunk, None  # LAST
-        else: raise ValueError(f"{path}: unknown record type {kind} at byte {i + off}")
-        rec = pb.Record(); rec.ParseFromString(whole)
-        yield rec
-
-# %% ../nbs/15_tracking.ipynb #2842f56c
-def wandb_log_complete(path: str | os.PathLike) -> bool:
-    """True when the W&B transaction log `path` ends with its run's `exit` record (its last block is read, not the
-    whole log)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return any(r.WhichOneof("record_type") == "exit" for r in read_wandb_records(path, tail_blocks=2))
-    except (OSError, ValueError): return False
-
-# %% ../nbs/15_tracking.ipynb #77b74ec5
-def wait_for_wandb_log(path: str | os.PathLike, timeout: float = 60.0, poll: float = 0.1) -> bool:
-    """Wait until `wandb_log_complete(path)`: `wandb.finish()` can return before wandb-core has written the log
-    (seen offline on a loaded machine: a 7-byte file for a moment), and a reader right after would see no records."""
-    t0 = time.monotonic()
-    while not wandb_log_complete(path):
-        if time.monotonic() - t0 > timeout: return False
-        time.sleep(poll)
-    return True
-
-# %% ../nbs/15_tracking.ipynb #e4c1f30b
-def wandb_run_files(path: str | os.PathLike) -> list[Path]:
-    "The `run-*.wandb` files under `path` (a file, a W&B run folder or a run_dir), oldest run first."
-    path = Path(path)
-    if path.is_file(): return [path]
-    def key(p):
-        m = re.search(r"-(\d{8}_\d{6})-", p.parent.name)
-        return (m.group(1) if m else "", p.stat().st_mtime)
-    return sorted(path.rglob("run-*.wandb"), key=key)
-
-# %% ../nbs/15_tracking.ipynb #e534c995
-def read_wandb_history(path: str | os.PathLike) -> list[dict]:
-    "History rows (`{'_step': ..., key: value}`) from the W&B run file(s) at `path`, in order."
-    rows = []
-    for f in wandb_run_files(path):
-        for rec in read_wandb_records(f):
-            if rec.WhichOneof("record_type") != "history": continue
-            row = {}
-            for item in rec.history.item:
-                key = item.key or "/".join(item.nested_key)
-                row[key] = json.loads(item.value_json)
-            rows.append(row)
-    return rows
-
-# %% ../nbs/15_tracking.ipynb #3963092e
-def read_wandb_alerts(path: str | os.PathLike) -> list[dict]:
-    "Alerts (`title`, `text`, `level`, `wait_duration`) recorded in the W&B run file(s) at `path`."
-    out = []
-    for f in wandb_run_files(path):
-        for rec in read_wandb_records(f):
-            if rec.WhichOneof("record_type") == "alert":
-                a = rec.alert
-                out.append(dict(title=a.title, text=a.text, level=a.level, wait_duration=a.wait_duration))
-    return out
-
-# %% ../nbs/15_tracking.ipynb #c5cd1f5c
-def read_wandb_run_ids(path: str | os.PathLike) -> list[str]:
-    "The run id stored in each W&B run file at `path` (one per process that ran)."
-    out = []
-    for f in wandb_run_files(path):
-        for rec in read_wandb_records(f):
-            if rec.WhichOneof("record_type") == "run": out.append(rec.run.run_id); break
-    return out
 
 # %% ../nbs/15_tracking.ipynb #53ae5b60
 DEFAULT_COOLDOWNS = {"nan": 60.0}   # seconds; any other kind uses `default_cooldown`

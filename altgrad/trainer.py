@@ -15,12 +15,13 @@ from fastcore.basics import patch
 import torch.nn as nn
 from tqdm.std import tqdm   # a text bar, also in a Jupyter kernel (papermill --log-output streams it)
 from .config import (TrainConfig, ConfigError, load_config, parse_overrides, save_config, resolve_device,
-                            autocast_dtype, PRESETS, config_keys_help, RENAMED_KEYS)
-from .data import TokenData, batch_starts, data_for_vocab, vocab_info
+                            autocast_dtype, PRESETS, config_keys_help, RENAMED_KEYS, lr_at, device_info)
+from .data import TokenData, batch_starts, data_for_vocab, vocab_info, eval_windows, window_batch
 from .model import GPT, GPTConfig
 from .tracking import Tracker, to_python, find_breaches
 from .notice import notice
-from .runs import DONE, read_json, run_files, run_status, config_reasons
+from .runs import (DONE, read_json, run_files, run_status, config_reasons, RunExists, run_state,
+                         move_to_previous, claim_out_dir)
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, atomic_write_text
 from .shadow import FP32ShadowModel, rng_snapshot
 from .metrics import (HostRead, queue_gradient_metrics, update_dead_neurons, snapshot_params,
@@ -31,27 +32,15 @@ from . import quantized
 from .step import GridStep
 from .interventions import Interventions
 from .distributed import (init_distributed, device_for, destroy_distributed, all_reduce_sum, all_true,
-                                 broadcast_object, all_gather_object, barrier, sigterm_as_exit)
+                                 broadcast_object, all_gather_object, barrier, sigterm_as_exit, check_ranks_agree)
 from .checkpoint import CorruptCheckpoint
 from .tracking import NullTracker
+from .pool import Interrupted, catch_interrupts
 from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
-__all__ = ['lr_at', 'load_data', 'seed_everything', 'build_model', 'RunExists', 'run_state', 'move_to_previous', 'claim_out_dir',
-           'Trainer', 'compile_enabled', 'lr_scale_of', 'grid_params', 'quantized_cosine', 'layer_census',
-           'eval_windows', 'window_batch', 'check_ranks_agree', 'Interrupted', 'catch_interrupts', 'progress_label',
-           'device_info', 'train_cli']
-
-# %% ../nbs/26_trainer.ipynb #0d777810
-def lr_at(step: int, cfg) -> float:
-    """Learning rate of optimizer step `step` (1-based): linear warmup, cosine decay to `min_lr` at `decay_steps`,
-    then flat."""
-    if step < 0: raise ValueError(f"step must be >= 0, got {step}")
-    w, d = cfg.warmup_steps, cfg.decay_steps
-    if w > 0 and step <= w: return cfg.lr * step / w
-    if step >= d: return cfg.min_lr
-    r = (step - w) / (d - w)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * r)) * (cfg.lr - cfg.min_lr)
+__all__ = ['load_data', 'seed_everything', 'build_model', 'Trainer', 'compile_enabled', 'lr_scale_of', 'grid_params',
+           'quantized_cosine', 'layer_census', 'progress_label', 'train_cli']
 
 # %% ../nbs/26_trainer.ipynb #bb1af6b9
 def load_data(cfg: TrainConfig) -> TokenData:
@@ -87,49 +76,6 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                           n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias))
     return quantized.quantize_model_from_config(model, cfg)
-
-# %% ../nbs/26_trainer.ipynb #1ee11a65
-class RunExists(ConfigError):
-    "A fresh run would replace a finished or interrupted run in its `out_dir`."
-
-def run_state(run_dir) -> tuple[str, dict]:
-    "('finished' | 'interrupted' | 'partial' | 'empty', its summary.json or {}): what `run_dir` holds (see above)."
-    d = Path(run_dir); s = read_json(d / "summary.json", {})          # this folder's own summary, not a dataset row
-    if not isinstance(s, dict): s = {}
-    if run_status(s) in DONE: return "finished", s
-    if any((d / "checkpoints").glob("step_*.pt")): return "interrupted", s
-    logged = any(p.exists() and p.stat().st_size
-                 for p in (d / "summary.json", d / "metrics.jsonl", d / "metrics.parquet"))
-    return ("partial" if logged else "empty"), s
-
-# %% ../nbs/26_trainer.ipynb #cc330c11
-def move_to_previous(run_dir) -> Path:
-    "Move the run files of `run_dir` (`RUN_FILES`) into `run_dir/_previous/<time>/`; returns that folder."
-    d = Path(run_dir); dst = d / "_previous" / time.strftime("%Y%m%d_%H%M%S")
-    while dst.exists(): dst = dst.with_name(dst.name + "_")
-    dst.mkdir(parents=True)
-    for p in run_files(d): os.replace(p, dst / p.name)
-    return dst
-
-# %% ../nbs/26_trainer.ipynb #7c3912d0
-def claim_out_dir(run_dir, cfg: TrainConfig, overwrite: bool = False) -> bool:
-    """Make `run_dir` ready for a fresh run of `cfg`; True: it holds an interrupted run of this config, resume it
-    (see above)."""
-    d = Path(run_dir); state, s = run_state(d)
-    if state == "empty": return False
-    at = f"step {s.get('final_step', '?')} of {s.get('max_steps', cfg.max_steps)}"
-    if not overwrite and state != "partial":
-        diff = config_reasons(d, cfg)
-        if state == "interrupted" and not diff:
-            notice(f"{d} holds an interrupted run of this config ({at}): resuming it"); return True
-        what = "a finished run" if state == "finished" else "an interrupted run of another config"
-        raise RunExists(f"{d} holds {what} ({at}"
-                        + (f"; {'; '.join(diff[:3])}" + (" ..." if len(diff) > 3 else "") if diff else "")
-                        + "): refusing to replace it; pass --overwrite (overwrite=True) to move it to "
-                        + f"{d / '_previous'}/ and start afresh, resume=true to continue it, or another out_dir")
-    dst = move_to_previous(d)
-    notice(f"moved the earlier run in {d} ({state}, {at}) to {dst.relative_to(d)}/")
-    return False
 
 # %% ../nbs/26_trainer.ipynb #b30a7371
 _RESUME_FIXED = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "batch_size", "grad_accum", "fmt",
@@ -388,23 +334,6 @@ def next_batches(self: Trainer) -> list:
         else: _skip_draw(len(self.data["train"]), cfg, self.train_gen)
     return out
 
-# %% ../nbs/26_trainer.ipynb #2c01a5e4
-def eval_windows(n_tokens: int, block_size: int, eval_tokens: int) -> np.ndarray:
-    "Start offsets of the fixed validation set: ceil(eval_tokens / block_size) windows, evenly spaced, no random draw."
-    n, last = -(-int(eval_tokens) // block_size), n_tokens - block_size - 1   # windows; the last possible start
-    if n < 1: raise ValueError(f"eval_tokens must be > 0, got {eval_tokens}")
-    if n * block_size > n_tokens - 1:
-        raise ConfigError(f"eval_tokens={eval_tokens} needs {n} windows of block_size={block_size} tokens, more "
-                          f"than the validation split's {n_tokens:,} tokens hold without overlap; "
-                          f"use eval_tokens<={(n_tokens - 1) // block_size * block_size}")
-    return np.array([i * last // max(n - 1, 1) for i in range(n)], dtype=np.int64)
-
-# %% ../nbs/26_trainer.ipynb #6aac751b
-def window_batch(data, starts, block_size: int, device="cpu"):
-    "`(x, y)` of the windows of `data` starting at `starts`, built as `get_batch` builds its random ones."
-    buf = torch.from_numpy(np.asarray(data[np.asarray(starts)[:, None] + np.arange(block_size + 1)], dtype=np.int64))
-    return buf[:, :-1].contiguous().to(device), buf[:, 1:].contiguous().to(device)
-
 # %% ../nbs/26_trainer.ipynb #600fde50
 @patch
 def _val_batches(self: Trainer):
@@ -505,21 +434,6 @@ def save_checkpoint(self: Trainer, val_loss: float | None = None, tag: str | Non
     if self.world == 1: return self.ckpt.save(self.step, state, val_loss=val_loss, tag=tag)
     path = self.ckpt.save(self.step, state, val_loss=val_loss, tag=tag) if self.main else None
     return Path(broadcast_object(str(path) if path else None))     # the others wait until the file is complete
-
-# %% ../nbs/26_trainer.ipynb #44d12755
-def check_ranks_agree(path, reports: list) -> int:
-    """`reports[r]` = (error or None, step) of rank `r` after loading the checkpoint `path` that rank 0 chose: the
-    common step, else a `ConfigError` naming the ranks that could not read it or the ranks' different steps."""
-    bad = [(r, err) for r, (err, _) in enumerate(reports) if err is not None]
-    if bad:
-        raise ConfigError(f"cannot resume from {path} (chosen by rank 0): "
-                          + "; ".join(f"rank {r} cannot read it ({e})" for r, e in bad)
-                          + "; out_dir must be on a filesystem that every rank (every node) sees")
-    steps = [s for _, s in reports]
-    if len(set(steps)) > 1:
-        raise ConfigError(f"ranks disagree after loading {path}: "
-                          + ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps)))
-    return steps[0]
 
 # %% ../nbs/26_trainer.ipynb #7aeb14d7
 @patch
@@ -628,31 +542,6 @@ def _save_histograms(self: Trainer, step: int):
     data[str(step)] = {layer: {k: to_python(v) for k, v in d.items()} for layer, d in h.items()}
     atomic_write_text(json.dumps(data), p)
 
-# %% ../nbs/26_trainer.ipynb #682dfd07
-class Interrupted(KeyboardInterrupt):
-    """Training stopped by SIGINT/SIGTERM after checkpointing step `step`; `exit_code` 130 / 143, as a shell reports
-    them."""
-    def __init__(self, signum: int, step: int, summary: dict | None = None):
-        super().__init__(f"interrupted at step {step}: checkpoint saved; rerun the same command to resume")
-        self.signum, self.step, self.summary = int(signum), int(step), summary
-    @property
-    def exit_code(self) -> int: return 128 + self.signum
-
-# %% ../nbs/26_trainer.ipynb #b8659ad8
-@contextlib.contextmanager
-def catch_interrupts(active: bool = True):
-    "While active (main thread only): SIGINT/SIGTERM only set `.signum` (the first one); a third SIGINT raises at once."
-    stop = SimpleNamespace(signum=None, count=0)
-    if not active or threading.current_thread() is not threading.main_thread(): yield stop; return
-    def handler(signum, frame):
-        stop.count += 1
-        if stop.signum is None: stop.signum = signum
-        if signum == signal.SIGINT and stop.count >= 3: raise KeyboardInterrupt
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try: yield stop
-    finally:
-        for s, h in old.items(): signal.signal(s, h)
-
 # %% ../nbs/26_trainer.ipynb #9418ca52
 def progress_label(cfg, amp_dtype=None) -> str:
     "What really runs, for the progress bar: 'fp32', 'E5M2', 'bf16 autocast', 'E5M2 + bf16 autocast'."
@@ -660,14 +549,6 @@ def progress_label(cfg, amp_dtype=None) -> str:
     a = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype, str(amp_dtype).replace("torch.", "")) \
         + " autocast"
     return f"{cfg.fmt} + {a}" if cfg.fmt else a
-
-# %% ../nbs/26_trainer.ipynb #2db6232c
-def device_info(device) -> dict:
-    """The torch version and, on CUDA, the GPU's name and the CUDA version: what a write-up must state about where it
-    ran."""
-    cuda = torch.device(device).type == "cuda"
-    return dict(torch=torch.__version__, cuda=torch.version.cuda if cuda else None,
-                gpu=torch.cuda.get_device_name(torch.device(device)) if cuda else None)
 
 # %% ../nbs/26_trainer.ipynb #0273c5eb
 @patch
