@@ -30,8 +30,8 @@ __all__ = ['RETRIES', 'REQUIRED_ORDER', 'POST_LN_LAYER_FORMATS', 'NOT_IN_REFEREN
            'reference_run', 'format_config', 'grid_key', 'set_aside', 'reuse_note', 'mark_reused', 'RetryRefused',
            'hot_layers', 'retry_layout', 'find_notebook', 'portable', 'notebook_params', 'run_notebook',
            'sweep_formats', 'check_overrides', 'settings_note', 'sweep_setup', 'refuse_conflicts', 'run_sweep',
-           'conflict_message', 'grid_rules', 'update_rule_overrides', 'matrix_note', 'sweep_cli', 'train_format',
-           'pool_plan', 'retry_specs', 'sweep_job', 'sweep_on_cpu', 'train_concurrently']
+           'conflict_message', 'train_format', 'pool_plan', 'retry_specs', 'sweep_job', 'sweep_on_cpu',
+           'train_concurrently']
 
 # %% ../nbs/31_sweep.ipynb #cb3df2e3
 RETRIES = research_choices()["retries"]                     # per-format retry policies (altgrad/research.yaml)
@@ -493,117 +493,6 @@ def conflict_message(name: str, run_dir, why: list[str]) -> str:
     "The one line that refuses to replace the run in `run_dir` (another config: `why`)."
     return (f"{name}: {run_dir} holds a run of another config ({'; '.join(why[:3])}{' ...' if len(why) > 3 else ''}): "
             "refusing to replace it; pass --force to train it again in its place, or use another --out")
-
-# %% ../nbs/31_sweep.ipynb #4c4f357a
-def grid_rules() -> list[str]:
-    "What `--update-rules all` means: every registered regime of `altgrad.regimes` with the weights on the grid."
-    return [n for n, r in UPDATE_RULES.items() if r.master_weights == "format"]
-
-# %% ../nbs/31_sweep.ipynb #c99d7f8f
-def update_rule_overrides(rules: str, overrides: dict) -> dict:
-    """`{regime: overrides}` for `--update-rules` ('all': `grid_rules()`, or comma-separated names of the
-    weights-on-grid regimes of `altgrad.regimes`) on top of `overrides` (each regime's keys but `master_weights`, which
-    the sweep sets)."""
-    valid = grid_rules()
-    names = valid if rules.strip() == "all" else [r.strip() for r in rules.split(",") if r.strip()]
-    bad = [r for r in names if r not in valid]
-    if bad or not names: raise ConfigError(f"unknown update rule(s) {', '.join(bad) or '(none)'}; valid: "
-                                           f"{', '.join(valid)} or all")
-    per = {n: {k: v for k, v in get_rule(n).overrides().items() if k != "master_weights"} for n in names}
-    clash = sorted({k for ov in per.values() for k in ov if k in overrides})
-    if clash: raise ConfigError(f"--update-rules sets {' and '.join(clash)} itself: drop "
-                                f"--{clash[0].replace('_', '-')}")
-    return {n: {**overrides, **ov} for n, ov in per.items()}
-
-# %% ../nbs/31_sweep.ipynb #483cd226
-def matrix_note(preset: str, steps: int, seed: int, overrides: dict, formats) -> str:
-    "The settings paragraph of a rule matrix (see `altgrad.matrix`)."
-    c = load_config(resolve_preset(preset), **{k: v for k,
-                                               v in overrides.items() if k not in ("optimizer", "weight_update")})
-    lrs = ", ".join(f"{o} {c.lr * default_lr_scale(o):.3g}" for o in OPTIMIZERS)
-    return (f"Preset `{resolve_preset(preset)}`, {steps} steps, seed {seed}, formats {', '.join(formats)}; every 8-bit "
-            f"layer's weights live on its grid (`master_weights=format`); FP32 shadow "
-            f"{'off' if overrides.get('shadow') is False else 'on'}; peak learning rates (each optimizer's default "
-            f"multiple of the preset's; warmup, then cosine decay): {lrs}. Config overrides: "
-            + (", ".join(f"`{k}={v}`" for k, v in sorted(overrides.items())) or "none")
-            + ". Each column is one `altgrad-sweep` folder; every cell's write-up is `<rule>/<format>/report.md`. "
-            "One seed: a description of this run, not evidence about formats (see `altgrad-study`).")
-
-# %% ../nbs/31_sweep.ipynb #73b75811
-def sweep_cli(argv: list[str] | None = None) -> int:
-    """`altgrad-sweep --preset PRESET --out DIR [--steps N] [--seed S] [--formats E5M2,E3M4] [--no-retry] [--optimizer
-    O] [--update-rules all] [--set key=value] [--jobs N]`"""
-    p = argparse.ArgumentParser(prog="altgrad-sweep", description="Train every 8-bit format and write DIR/summary.md")
-    p.add_argument("--preset", default="auto"); p.add_argument("--out", default="outputs")
-    p.add_argument("--steps", type=int, default=500); p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--formats", default=",".join(REQUIRED_ORDER), help="comma-separated element formats (E4M3, ...) "
-                   "or block recipes (mxfp8, nvfp4, ...)"); p.add_argument("--no-retry", action="store_true")
-    p.add_argument("--interventions", action="store_true", help="interventions on (runs then continue through NaN "
-                   "steps)")
-    p.add_argument("--data-dir", default=""); p.add_argument("--wandb-mode", default="auto")
-    p.add_argument("--force", action="store_true", help="train again runs already in --out (finished, or of another "
-                   "config)")
-    p.add_argument("--master-weights", default="fp32", choices=["fp32", "format"],
-                   help="fp32 master weights (standard) or weights kept on the 8-bit grid after every step")
-    p.add_argument("--optimizer", help="base optimizer of every run (TrainConfig.optimizer, e.g. adamw, madam, lion)")
-    p.add_argument("--weight-update", help="how w+u lands on the grid with --master-weights format (e.g. nearest, "
-                   "stochastic, kahan)")
-    p.add_argument("--update-rules", metavar="RULES", help="with --master-weights format: one sweep per update rule "
-                   f"(weights-on-grid regimes of altgrad.regimes, comma-separated; all = every registered one: "
-                   f"{', '.join(grid_rules())}) into DIR/<rule>, "
-                   "then the table DIR/summary.md")
-    p.add_argument("--rounding", help="rounding of the GEMM operands W, A, G (nearest, stochastic)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other TrainConfig override for every run (repeatable), e.g. --set lr=3e-4")
-    p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="concurrent runs (default 1: one after another): keep N runs going on the device, each in its "
-                   "own process (on CPU with one thread each, OMP_NUM_THREADS=1: N processes for N cores; the rest of "
-                   "the sweep then runs with one thread too); the reference, every format and every retry (with "
-                   "--update-rules: of every rule) train in the pool, logs in DIR/.jobs/, then the sweep goes on as "
-                   "without --jobs and finds them finished")
-    a = p.parse_args(argv)
-    try:
-        if a.jobs < 1: raise ConfigError(f"--jobs {a.jobs}: give the number of concurrent runs, 1 or more")
-        fmts = sweep_formats(a.formats.split(","))
-        overrides = parse_overrides(a.set)
-        for k in NOTEBOOK_OVERRIDE_PARAMS:
-            v = getattr(a, k)
-            if v is None: continue
-            if k in overrides and overrides[k] != v:
-                raise ConfigError(f"{k} is given twice: --{k.replace('_', '-')} {v} and --set {k}={overrides[k]}")
-            overrides[k] = v
-        check_overrides(overrides)
-        if a.update_rules is not None:
-            if a.master_weights != "format":
-                raise ConfigError("--update-rules needs --master-weights format (the rules decide how updates land "
-                                  "on the grid)")
-            per_rule = update_rule_overrides(a.update_rules, overrides)
-        else: per_rule = {None: overrides}
-        for ov in per_rule.values(): load_config(resolve_preset(a.preset), master_weights=a.master_weights, **ov)
-    except (ValueError, ConfigError) as e:
-        print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
-    outs = {rule: Path(a.out) / rule if rule else a.out for rule in per_rule}
-    pooled = {}
-    if a.jobs > 1:  # every run of every rule in one pool of processes, then the sequential pass below
-        sweeps = [dict(preset=a.preset, out=outs[rule], steps=a.steps, seed=a.seed, formats=fmts,
-                       interventions=a.interventions, data_dir=a.data_dir, wandb_mode=a.wandb_mode,
-                       master_weights=a.master_weights, overrides=ov)
-                  for rule, ov in per_rule.items()]
-        try:
-            if sweep_on_cpu(sweeps[0]): one_thread()
-            pooled = train_concurrently(sweeps, a.jobs, not a.no_retry, a.force)
-        except RunConflict as e: print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
-        except JobsInterrupted as e:
-            print(f"[altgrad-sweep] interrupted: the runs in progress stopped at a checkpoint (finished ones are "
-                  "kept); rerun the same command to resume", file=sys.stderr); return e.exit_code
-    for rule, ov in per_rule.items():
-        out = outs[rule]
-        try: print(run_sweep(a.preset, out, a.steps, a.seed, fmts, not a.no_retry, a.interventions, a.data_dir,
-                             a.wandb_mode, a.force, a.master_weights, ov, pooled=pooled.get(str(Path(out)))))
-        except RunConflict as e: print(f"altgrad-sweep: {e}", file=sys.stderr); return 2
-    if a.update_rules is not None:
-        print(write_matrix(a.out, note=matrix_note(a.preset, a.steps, a.seed, overrides, fmts)))
-    return 0
 
 # %% ../nbs/31_sweep.ipynb #e4ea7c83
 def train_format(fmt: str, out, layer_formats=None, tag: str = "", force: bool = False, overrides: dict | None = None,

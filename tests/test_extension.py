@@ -86,7 +86,7 @@ def test_new_landing_and_optimizer(tmp_path, small_data, extensions, monkeypatch
     assert m["rules"] == ["sgdm", "shrink"] and m["formats"] == ["E4M3"]
     assert all(m["metrics"]["final_val_loss"]["E4M3"][r] is not None for r in m["rules"])
     assert "sgdm" in matrix_markdown(m) and "shrink" in matrix_markdown(m)
-    from altgrad.sweep import matrix_note
+    from altgrad.sweep_cli import matrix_note
     assert "sgdm 0.03" in matrix_note("smoke", 4, 42, {}, ["E4M3"])           # its default rate, from its registry entry
 
     # the study: the rules are valid choices, at their optimizer's rate, labelled and compared by capability

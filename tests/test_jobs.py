@@ -44,7 +44,7 @@ def test_timeless():
 
 def test_sweep_jobs_equals_sequential(tmp_path, small_data):
     "Two formats with --jobs 2: every run trained once, in the pool; the same table and final losses as --jobs 1."
-    sweep = lambda out, jobs: _run(_cmd("altgrad-sweep", "sweep", "sweep_cli"), "--preset", "smoke", "--out", out, "--steps", STEPS,
+    sweep = lambda out, jobs: _run(_cmd("altgrad-sweep", "sweep_cli", "sweep_cli"), "--preset", "smoke", "--out", out, "--steps", STEPS,
                                    "--data-dir", small_data, "--formats", "E5M2,E3M4", "--wandb-mode", "disabled", "--jobs", jobs)
     seq, par = tmp_path / "seq", tmp_path / "par"
     sweep(seq, 1)
