@@ -419,9 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try: recipes = [get_recipe(n.strip()).name for n in a.recipes.split(",") if n.strip()]
         except KeyError as e: p.error(f"--recipes: {e.args[0]}")
+        sets = parse_overrides(a.set)
+        own = sorted(set(sets) & {"fmt", "max_steps", "data_dir", "out_dir", "wandb_mode", "device", "shadow",
+                                  "compile"})
+        if own: p.error(f"--set {', '.join(own)}: the benchmark sets these itself (use --fmt, --steps, --data-dir, "
+                        f"--device, --no-shadow, --compiled); --set takes other TrainConfig keys, e.g. log_interval=10")
         res = bench_train(**dev, preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup,
-                          profile=a.profile, shadow=not a.no_shadow, compiled=a.compiled, recipes=recipes,
-                          **parse_overrides(a.set))
+                          profile=a.profile, shadow=not a.no_shadow, compiled=a.compiled, recipes=recipes, **sets)
     print(json.dumps(res, indent=1))
     missed = unmet_goals(res)
     if a.strict and missed:

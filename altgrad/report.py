@@ -21,7 +21,7 @@ from .report_figures import (
 __all__ = ['AVG_STEPS', 'FIG_DPI', 'LAYER_GROUPS', 'MECHANISM_COLUMNS', 'MECHANISM_LABELS', 'REPORT_INPUTS', 'first_nan_step',
            'nan_origin', 'failure_analysis', 'mean_quantized_cos', 'divergence_steps', 'verdict', 'train_loss_avg',
            'progress_lost', 'layer_counts', 'run_summary', 'fmt_num', 'precision_note', 'layer_group', 'has_mechanism',
-           'layer_groups', 'mechanism_table', 'regime_of', 'mechanism_rule', 'plot_mechanism', 'ratio_histograms',
+           'layer_groups', 'mechanism_table', 'regime_of', 'mechanism_regime', 'plot_mechanism', 'ratio_histograms',
            'share_below_half', 'plot_ratio_histograms', 'mechanism_section', 'rel_path', 'device_line', 'write_report']
 
 # %% ../nbs/30_report.ipynb #a309b488
@@ -295,7 +295,7 @@ def regime_of(cfg: dict):
     except ValueError: return None
 
 # %% ../nbs/30_report.ipynb #01b0070a
-def mechanism_rule(run: Run) -> str:
+def mechanism_regime(run: Run) -> str:
     "One sentence naming how the weights were updated: landing, base optimizer, learning-rate scale, kahan residual."
     cfg = run.config
     opt = cfg.get("optimizer") or "adamw"
@@ -396,7 +396,7 @@ def mechanism_section(run: Run, fig_dir) -> list[str]:
         return L + [f"Not available for this run: no update-mechanism metrics (`pred_stall/`, `update_ratio/`, "
                     f"`rho/`) were logged ({why}).", ""]
     fig_dir = Path(fig_dir)
-    L += [mechanism_rule(run), ""]
+    L += [mechanism_regime(run), ""]
     p = _save(plot_mechanism(run), fig_dir / "mechanism.png")
     L += [f"![Update mechanism]({p})", "",
           "Left: share of the moved weights whose 8-bit value did not change (measured stall) and share with "

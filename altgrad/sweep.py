@@ -664,3 +664,13 @@ def train_concurrently(sweeps: list[dict], jobs: int, retry: bool = True, force:
         run_pool(first, jobs, job_env(cpu), on_done, desc="sweep processes", prefix="[altgrad-sweep]")
     return {str(p["out"]): {s["name"] for s in p["jobs"] if s["trains"] and rcs.get(f"{p['out']}/{s['id']}") == 0}
             for p in plans}
+
+# %% ../nbs/31_sweep.ipynb #0f494115
+_IN_SWEEP_CLI = ("sweep_cli", "grid_rules", "update_rule_overrides", "matrix_note")
+
+def __getattr__(name: str):
+    "`altgrad.sweep.<name>` of a name that moved to `altgrad.sweep_cli` (imported here lazily: it imports this module)."
+    if name in _IN_SWEEP_CLI:
+        import altgrad.sweep_cli as cli
+        return getattr(cli, name)
+    raise AttributeError(f"module 'altgrad.sweep' has no attribute {name!r}")

@@ -86,8 +86,8 @@ _RESUME_FIXED = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bia
 
 # %% ../nbs/26_trainer.ipynb #224d8524
 class Trainer:
-    """Train `cfg`'s GPT on its data: every diagnostic every step, the requirements' NaN policy, checkpoints and
-    exact resume."""
+    """Train `cfg`'s GPT on its data: every diagnostic on every logged step, the requirements' NaN policy, checkpoints
+    and exact resume."""
     def __init__(self, cfg: TrainConfig, tracker: Tracker | None = None, fault: Callable | None = None,
                  progress: bool = True,
                  overwrite: bool = False):
@@ -213,9 +213,10 @@ def logs_step(self: Trainer, step: int, skipped: bool = False) -> bool:
 # %% ../nbs/26_trainer.ipynb #e2c44f3d
 @patch
 def measures_step(self: Trainer, step: int) -> bool:
-    """Whether `train_step` computes `step`'s statistics (gradient statistics, shadow cosine, zero updates, range
-    counts, stall, r, rho, decay): on the steps `fit` logs, and on every step when interventions watch them. A step
-    that turns out skipped is measured after all. The others train the same (their statistics feed nothing back)."""
+    """Whether `train_step` computes `step`'s statistics (gradient statistics, shadow cosine, zero updates, the read
+    of the range counts, stall, r, rho, decay): on the steps `fit` logs, and on every step when interventions watch
+    them. A step that turns out skipped is measured after all. The others train the same: no statistic feeds back
+    into training. What does change: the threshold alerts on these statistics can fire on logged steps only."""
     return self.interventions is not None or self.logs_step(step)
 
 @patch

@@ -20,11 +20,12 @@ def _poison(step: int, model):
     if step == 2: next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = math.nan
 
 
-def _trainer(data, out, log_interval: int, fmt: str, regime: str, fault=None, steps: int = 7, shadow: bool = True):
+def _trainer(data, out, log_interval: int, fmt: str, regime: str, fault=None, steps: int = 7, shadow: bool = True,
+             **kw):
     from altgrad.config import load_config
     from altgrad.trainer import Trainer
     cfg = load_config("smoke", data_dir=str(data), out_dir=str(out), max_steps=steps, eval_interval=100,
-                      wandb_mode="disabled", fmt=fmt, regime=regime, log_interval=log_interval, shadow=shadow)
+                      wandb_mode="disabled", fmt=fmt, regime=regime, log_interval=log_interval, shadow=shadow, **kw)
     return Trainer(cfg, progress=False, fault=fault)
 
 
@@ -36,9 +37,9 @@ def _fit(data, out, log_interval: int, fmt: str, regime: str, fault=None):
     return t, {r["step"]: r for r in read_metrics(t.run_dir, merge=True)}
 
 
-def _steps(data, out, log_interval: int, fmt: str, regime: str, steps: int = 4):
+def _steps(data, out, log_interval: int, fmt: str, regime: str, steps: int = 4, shadow: bool = False, **kw):
     "`train_step` alone (no files): the trainer and the metrics of the steps `fit` would log."
-    t, logged = _trainer(data, out, log_interval, fmt, regime, steps=steps, shadow=False), {}
+    t, logged = _trainer(data, out, log_interval, fmt, regime, steps=steps, shadow=shadow, **kw), {}
     for _ in range(steps):
         m = t.train_step()
         if t.logs_step(t.step, bool(m["train/skipped"])): logged[t.step] = m
@@ -49,6 +50,7 @@ def _same_run(a, b, la: dict, lb: dict, label: str) -> int:
     "Asserts that run b (log_interval > 1) trained as run a (every step) and logged the same values; returns #values."
     assert _eq(a.model.state_dict(), b.model.state_dict()), f"{label}: the model moved"
     assert _eq(a.optimizer.state_dict(), b.optimizer.state_dict()), f"{label}: the optimizer state moved"
+    assert _eq(a.dead.streak, b.dead.streak) and a.dead.seen == b.dead.seen, f"{label}: the dead-neuron streaks moved"
     assert set(lb) < set(la) and max(lb) == max(la), (label, sorted(lb))
     n = 0
     for step, mb in lb.items():
@@ -71,6 +73,28 @@ def test_unmeasured_steps_train_the_same(tmp_path, small_data, fmt="E7M0"):
         assert sorted(lb) == [3, 4], sorted(lb)
         n += _same_run(a, b, la, lb, f"{fmt}/{regime}")
     assert n > 1000, n
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_block_grids_and_the_shadow_train_the_same(tmp_path, small_data, fmt):
+    "Weights on a block grid (`_land_block`) under three landings, with the FP32 shadow's cosines on the logged steps."
+    n = 0
+    for regime in ("nearest", "stochastic", "kahan"):
+        a, la = _steps(small_data, tmp_path / f"{regime}-1", 1, fmt, regime, shadow=True)
+        b, lb = _steps(small_data, tmp_path / f"{regime}-3", 3, fmt, regime, shadow=True)
+        assert any(k.startswith("grad_cos_sim/") for k in lb[3]), sorted(lb[3])[:10]
+        n += _same_run(a, b, la, lb, f"{fmt}/{regime}")
+    assert n > 300, n
+
+
+def test_dead_neuron_streaks_see_every_step(tmp_path, small_data):
+    "A window of 2 steps and a threshold every row is under: dead fractions are 1 from step 2 on, logged or not."
+    kw = dict(dead_neuron_window=2, dead_neuron_threshold=1e30)
+    a, la = _steps(small_data, tmp_path / "every", 1, "E4M3", "nearest", **kw)
+    b, lb = _steps(small_data, tmp_path / "third", 3, "E4M3", "nearest", **kw)
+    dead = {k: v for k, v in lb[3].items() if k.startswith("dead_neuron_frac/")}
+    assert dead and all(v == 1.0 for v in dead.values()), dead
+    _same_run(a, b, la, lb, "dead neurons")
 
 
 def test_a_skipped_unmeasured_step_is_logged_in_full(tmp_path, small_data):
