@@ -8,20 +8,20 @@ import json, math
 from pathlib import Path
 import numpy as np
 import matplotlib.pyplot as plt
-from .regimes import get_rule
+from .regimes import get_regime
 from .report import fmt_num
 from .runs import load_run, run_finished, final_loss
 from .stats import (finite, mean_of, mean_ci, paired_benefit, recovered_fraction, t_crit, paired_test, holm,
                            min_detectable_effect)
 from .law import law_text, law_fit, format_correlation
-from .study import (DECISIVE_RULES, RETIRED_DESIGN_COMMIT, CONTROL, UPPER, REF_PRECISIONS, REQUIRED_EXPECTATIONS,
+from .study import (DECISIVE_REGIMES, RETIRED_DESIGN_COMMIT, CONTROL, UPPER, REF_PRECISIONS, REQUIRED_EXPECTATIONS,
                            INPUTS_FILE, ANALYSIS_SETTINGS, StudyPlan, RunSpec, format_spec, run_dir, mult_label,
                            model_inputs, json_safe, join_names, Protocol, bracket_grids, decisive_lr_specs,
                            decisive_seed_specs, decisive_choice)
 
 # %% auto #0
-__all__ = ['MECH_KEYS', 'MECH_ALL', 'STUDY_COLUMNS', 'grid_aware_rules', 'mechanism_of', 'run_record', 'pm', 'recovered_text',
-           'ci_text', 'rule_label', 'model_text', 'save_figure', 'regenerate_section', 'format_pairs', 'law_points',
+__all__ = ['MECH_KEYS', 'MECH_ALL', 'STUDY_COLUMNS', 'grid_aware_regimes', 'mechanism_of', 'run_record', 'pm', 'recovered_text',
+           'ci_text', 'regime_label', 'model_text', 'save_figure', 'regenerate_section', 'format_pairs', 'law_points',
            'decisive_expectations', 'grid_family', 'decisive_cells', 'decisive_mde', 'headline_record',
            'decisive_analyze', 'incomplete_text', 'law_clause', 'decisive_paragraph', 'pairs_section',
            'decisive_results_section', 'law_section', 'bracket_section', 'plot_law', 'decisive_protocol_section',
@@ -36,9 +36,9 @@ MECH_ALL = tuple(MECH_KEYS) + tuple(k + "_post" for k in MECH_KEYS)
 # what `altgrad.runs.write_dataset(out, keep=STUDY_COLUMNS)` keeps
 STUDY_COLUMNS = ("val/loss", *MECH_KEYS.values())
 
-def grid_aware_rules(rules) -> list[str]:
-    "The grid-aware regimes among `rules`: all but the control and the upper bound."
-    return [r for r in rules if r not in (CONTROL, UPPER)]
+def grid_aware_regimes(regimes) -> list[str]:
+    "The grid-aware regimes among `regimes`: all but the control and the upper bound."
+    return [r for r in regimes if r not in (CONTROL, UPPER)]
 
 # %% ../nbs/35_answer.ipynb #35a00005-mechanism-of
 def mechanism_of(run) -> dict:
@@ -56,7 +56,7 @@ def mechanism_of(run) -> dict:
 def run_record(spec: RunSpec, run) -> dict:
     "The numbers of one run for `study.json` (`missing: True` when its folder is not there or incomplete)."
     rec = dict(name=spec.name, dir=f"runs/{spec.name}", phase=spec.phase, seed=spec.seed, fmt=spec.fmt,
-               rule=spec.rule or spec.precision, lr_mult=spec.lr_mult,
+               regime=spec.regime or spec.precision, lr_mult=spec.lr_mult,
                kind="reference" if spec.fmt is None else "format")
     if run is None: return {**rec, "missing": True}
     s, cfg = run.summary, run.config
@@ -89,12 +89,12 @@ def ci_text(c: dict, spec: str = ".3f", pct: bool = False) -> str:
     f = (lambda v: f"{v:.0%}") if pct else (lambda v: format(v, spec))
     return f"95% CI {f(c['lo'])} to {f(c['hi'])}" if c.get("lo") is not None else "no interval"
 
-# %% ../nbs/35_answer.ipynb #35a00013-recovered-text-ci-text-rule-label
-def rule_label(r: str) -> str:
+# %% ../nbs/35_answer.ipynb #35a00013-recovered-text-ci-text-regime-label
+def regime_label(r: str) -> str:
     "The registry's label of regime `r`."
-    return get_rule(r).label
+    return get_regime(r).label
 
-# %% ../nbs/35_answer.ipynb #35a00013-recovered-text-ci-text-rule-label-model-text
+# %% ../nbs/35_answer.ipynb #35a00013-recovered-text-ci-text-regime-label-model-text
 def model_text(cfg: dict) -> str:
     "`4 layers × 128 wide, context 64, batch 6`."
     return (f"{cfg.get('n_layer')} layers × {cfg.get('n_embd')} wide, context {cfg.get('block_size')}, batch "
@@ -137,7 +137,7 @@ def format_pairs(plan: StudyPlan, L: dict, conf: float = 0.95) -> dict:
     """Per regime, every pair of formats paired by seed: d = L_a − L_b (> 0: b lower), t-test p and
     Holm's p within the regime."""
     out = {}
-    for r in plan.rules:
+    for r in plan.regimes:
         fam = {f"{a} vs {b}": dict(paired_test(L[a][r], L[b][r], conf), a=a, b=b)
                for i, a in enumerate(plan.formats) for b in plan.formats[i + 1:]}
         adj = holm({k: v["p"] for k, v in fam.items()})
@@ -146,9 +146,9 @@ def format_pairs(plan: StudyPlan, L: dict, conf: float = 0.95) -> dict:
 
 # %% ../nbs/35_answer.ipynb #102b1941
 def law_points(plan: StudyPlan, proto, recs: dict, grids: dict) -> dict:
-    """The law's points from the tuning runs: per quantity (`fp32`: the gap, each grid rule: its benefit), one
+    """The law's points from the tuning runs: per quantity (`fp32`: the gap, each grid regime: its benefit), one
     point per format × multiplier."""
-    pts = {r: [] for r in plan.rules if r != CONTROL}
+    pts = {r: [] for r in plan.regimes if r != CONTROL}
     for f in plan.formats:
         for m in grids[CONTROL]["mults"]:
             near = [format_spec(f, CONTROL, s, m, "lr") for s in proto.tuning_seeds]
@@ -183,7 +183,7 @@ def _expect_fails_paired(st: dict, f: str) -> str:
         c = st["cells"][f][r]; ex = c["above_unigram"]
         nf = len(c["failed"]); ok = nf == c["n_seeds"] or (ex.get("lo") is not None and ex["lo"] > 0)
         fails.append(ok)
-        parts.append(f"{rule_label(r)}: {nf} of {c['n_seeds']} runs stopped at a NaN, final loss − unigram "
+        parts.append(f"{regime_label(r)}: {nf} of {c['n_seeds']} runs stopped at a NaN, final loss − unigram "
                      f"{pm(ex, '.3f')} ({ci_text(ex)})")
     head = (f"As the requirements expected, {f} fails outright" if all(fails)
             else f"{f} fails outright under one regime only" if any(fails)
@@ -206,7 +206,7 @@ def _expect_best_paired(st: dict, f: str) -> str:
                   and ((v["mean"] > 0) != (v["b"] == f))]
         n = len(rows)
         verdicts.append("contra" if better else "agree" if len(worse) == n else "open")
-        parts.append(f"{rule_label(r)}: resolved better than {len(worse)} of {n} formats"
+        parts.append(f"{regime_label(r)}: resolved better than {len(worse)} of {n} formats"
                      + (f", resolved worse than {', '.join(better)}" if better else "")
                      + f" (paired, Holm-adjusted p < {ANALYSIS_SETTINGS['alpha']})")
     head = (f"The data contradicts the requirements' expectation that {f} is best" if "contra" in verdicts else
@@ -216,21 +216,21 @@ def _expect_best_paired(st: dict, f: str) -> str:
 
 # %% ../nbs/35_answer.ipynb #35h8ff1c
 def grid_family(plan: StudyPlan) -> list[tuple[str, str]]:
-    """The planned (format, grid rule) cells: the family of the benefit tests, of their detectable
+    """The planned (format, grid regime) cells: the family of the benefit tests, of their detectable
     effect and of the headline's m."""
-    return [(f, r) for f in plan.formats for r in grid_aware_rules(plan.rules)]
+    return [(f, r) for f in plan.formats for r in grid_aware_regimes(plan.regimes)]
 
 # %% ../nbs/35_answer.ipynb #b8a82da2
 def decisive_cells(plan: StudyPlan, proto, recs: dict, held: list, unigram, conf: float = 0.95) -> tuple[dict, dict]:
-    "(`{fmt: {rule: cell}}` over the held-out specs `held`, `{fmt: {rule: {seed: loss}}}`)."
-    L = {f: {r: _losses(recs, [s for s in held if (s.fmt, s.rule) == (f, r)]) for r in plan.rules}
+    "(`{fmt: {regime: cell}}` over the held-out specs `held`, `{fmt: {regime: {seed: loss}}}`)."
+    L = {f: {r: _losses(recs, [s for s in held if (s.fmt, s.regime) == (f, r)]) for r in plan.regimes}
          for f in plan.formats}
     cells = {}
     for f in plan.formats:
         cells[f] = {}
-        for r in plan.rules:
-            sp = [s for s in held if (s.fmt, s.rule) == (f, r)]
-            c = dict(fmt=f, rule=r, lr_mult=sp[0].lr_mult if sp else None, runs=[f"runs/{s.name}" for s in sp],
+        for r in plan.regimes:
+            sp = [s for s in held if (s.fmt, s.regime) == (f, r)]
+            c = dict(fmt=f, regime=r, lr_mult=sp[0].lr_mult if sp else None, runs=[f"runs/{s.name}" for s in sp],
                      losses=L[f][r], loss=mean_ci(L[f][r].values(), conf), n_seeds=len(proto.heldout_seeds),
                      failed=[s.name for s in sp if not recs[s.name]["missing"]
                              and recs[s.name].get("final_val_loss") is None],
@@ -250,7 +250,7 @@ def decisive_cells(plan: StudyPlan, proto, recs: dict, held: list, unigram, conf
 def decisive_mde(plan: StudyPlan, cells: dict, pairs: dict, n: int) -> dict:
     """The minimum effect detectable at 80% power (two-sided paired t) from the median measured paired SD of a family:
     `mde` for one pre-specified comparison (alpha 0.05), `mde_family` for a claim that survives Holm over the family's
-    m tests (its first step: alpha 0.05/m). Families: the grid rules' benefits over nearest, and the format pairs."""
+    m tests (its first step: alpha 0.05/m). Families: the grid regimes' benefits over nearest, and the format pairs."""
     sd_b = [cells[f][r]["benefit"]["sd"] for f, r in grid_family(plan) if cells[f][r]["benefit"].get("sd")]
     sd_f = [v["sd"] for fam in pairs.values() for v in fam.values() if v.get("sd")]
     m_b, (alpha, power) = len(grid_family(plan)), (ANALYSIS_SETTINGS["alpha"], ANALYSIS_SETTINGS["power"])
@@ -269,7 +269,7 @@ def _no_none(d):
 
 # %% ../nbs/35_answer.ipynb #35f045c0
 def headline_record(cells: dict, head, grid_cells: list, m: int) -> dict | None:
-    """The headline cell (largest mean benefit of the m grid-rule cells) with a simultaneous interval (Bonferroni: each
+    """The headline cell (largest mean benefit of the m grid-regime cells) with a simultaneous interval (Bonferroni: each
     of the m intervals at 1 − 0.05/m, so all m cover together with 95%; the largest of m means is biased upward by its
     selection, and this interval is the honest one for it), and every cell that Holm's correction resolves. `m` is the
     planned number of cells (the same m as the family-wise detectable effect; a cell without runs still counts)."""
@@ -282,7 +282,7 @@ def headline_record(cells: dict, head, grid_cells: list, m: int) -> dict | None:
         sim.update(lo=b["mean"] - h, hi=b["mean"] + h)
     res = [f"{f}/{r}" for f, r in grid_cells if (cells[f][r]["benefit"].get("p_holm") or 1) < alpha
            and cells[f][r]["benefit"]["mean"] > 0]
-    return dict(fmt=head[0], rule=head[1], m=m, simultaneous=sim, resolved=res)
+    return dict(fmt=head[0], regime=head[1], m=m, simultaneous=sim, resolved=res)
 
 # %% ../nbs/35_answer.ipynb #117f5ff1
 def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: dict | None, unigram,
@@ -302,7 +302,7 @@ def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: di
     law_r = {r: law_fit([dict(q, x=q["r"]) for q in p], increasing=False) for r, p in pts.items()}
     corr = {r: format_correlation({f: (cells[f][CONTROL]["mechanism"].get("pred_stall"),
                                        cells[f][r]["benefit"]["mean"]) for f in plan.formats})
-            for r in plan.rules if r != CONTROL} if done else {}
+            for r in plan.regimes if r != CONTROL} if done else {}
     grid_cells = [(f, r) for f, r in grid_family(plan)
                   if cells.get(f, {}).get(r, {}).get("benefit", {}).get("mean") is not None]
     head = max(grid_cells, key=lambda fr: cells[fr[0]][fr[1]]["benefit"]["mean"]) if grid_cells else None
@@ -317,7 +317,7 @@ def decisive_analyze(plan: StudyPlan, proto, runs: dict, grids: dict, choice: di
                for ph in ("lr", "seeds")}
     return json_safe(dict(
         design="decisive", protocol=proto.to_dict(), plan=plan.to_dict(), unigram=unigram, conf=conf,
-        complete=done, missing=missing, pending_rules=pending,
+        complete=done, missing=missing, pending_regimes=pending,
         missing_by_phase={ph: [n for n in missing if recs[n]["phase"] == ph] for ph in ("lr", "seeds")},
         failed=[n for n, x in recs.items() if not x["missing"] and x.get("final_val_loss") is None],
         lr_choice=dict(grids={r: dict(mults=g["mults"], status=g["status"], mult=g["mult"], table=g["table"])
@@ -341,15 +341,15 @@ def incomplete_text(st: dict) -> str:
              f"({join_names(mp['lr'], 4)})" if mp["lr"] else None,
              f"{len(mp['seeds'])} of {sum(1 for x in tot.values() if x['phase'] == 'seeds')} held-out runs "
              f"({join_names(mp['seeds'], 4)})" if mp["seeds"] else None,
-             f"the learning-rate choice of {', '.join(st['pending_rules'])} (its tuning runs are not all there), so "
-             f"the held-out runs are not even planned yet" if st["pending_rules"] else None]
+             f"the learning-rate choice of {', '.join(st['pending_regimes'])} (its tuning runs are not all there), so "
+             f"the held-out runs are not even planned yet" if st["pending_regimes"] else None]
     return ("**Answer.** None: the study is incomplete, so it claims nothing. Missing: "
             + "; ".join(p for p in parts if p)
             + ". Rerun the study's command (below) to train what is missing; finished runs are reused.")
 
 # %% ../nbs/35_answer.ipynb #35h8ec3d-law-clause
 def law_clause(st: dict, r: str) -> str:
-    "Why, in one clause: the law of rule `r`'s benefit (R², LOFO, one curve or not)."
+    "Why, in one clause: the law of regime `r`'s benefit (R², LOFO, one curve or not)."
     L = st["law"].get(r) or {}
     if L.get("r2") is None: return "the law could not be fitted"
     return (f"one increasing curve fitted through all {L['n']} format × rate points of its benefit against nearest's "
@@ -365,22 +365,22 @@ def decisive_paragraph(st: dict) -> str:
             if st["protocol"].get("sensitivity") else "")
     if not st["complete"]: return sens + incomplete_text(st)
     h, n = st["headline"], len(st["protocol"]["heldout_seeds"])
-    if h is None: return sens + "**Answer.** Not available: the study has no grid-aware rule (use --rules)."
-    f, r = h["fmt"], h["rule"]; b = st["cells"][f][r]["benefit"]; mde = st["mde"]["benefit"]
+    if h is None: return sens + "**Answer.** Not available: the study has no grid-aware regime (use --regimes)."
+    f, r = h["fmt"], h["regime"]; b = st["cells"][f][r]["benefit"]; mde = st["mde"]["benefit"]
     resolved = f"{f}/{r}" in h.get("resolved", [])            # Holm's p < alpha and a positive mean (`headline_record`)
     sim = h.get("simultaneous") or {}
     simtext = (f"; {sim['lo']:.3f} to {sim['hi']:.3f} as a simultaneous {1 - ANALYSIS_SETTINGS['alpha']:.0%} interval "
-               f"over all {h['m']} format × rule cells (Bonferroni, each at {sim['conf']:.2%})"
+               f"over all {h['m']} format × regime cells (Bonferroni, each at {sim['conf']:.2%})"
                if sim.get("lo") is not None else "")
     others = [c for c in h.get("resolved", []) if c != f"{f}/{r}"]
     if b["mean"] <= 0:
-        return sens + (f"**Answer.** No grid-aware rule lowered the final validation loss on average; the least "
-                       f"harmful is **{f}** with **{rule_label(r)}**, {-b['mean']:.3f} nats *above* round-to-nearest "
+        return sens + (f"**Answer.** No grid-aware regime lowered the final validation loss on average; the least "
+                       f"harmful is **{f}** with **{regime_label(r)}**, {-b['mean']:.3f} nats *above* round-to-nearest "
                        f"({ci_text(b)}, {b['n']} held-out seeds). The law: {law_clause(st, r)}.")
-    lead = (f"**Answer.** **{f}** benefits most, from **{rule_label(r)}**: " if resolved else
-            f"**Answer.** The largest mean benefit, **{f}** with **{rule_label(r)}**, is not resolved after "
+    lead = (f"**Answer.** **{f}** benefits most, from **{regime_label(r)}**: " if resolved else
+            f"**Answer.** The largest mean benefit, **{f}** with **{regime_label(r)}**, is not resolved after "
             f"Holm's correction"
-            + (f" (resolved: {', '.join(others)})" if others else "; no format × rule benefit is") + ": ")
+            + (f" (resolved: {', '.join(others)})" if others else "; no format × regime benefit is") + ": ")
     S = [lead
          + f"{b['mean']:.3f} nats below round-to-nearest's final validation loss ({ci_text(b)}{simtext}; paired over "
          f"{b['n']} held-out seeds, Holm-adjusted p = {fmt_num(b.get('p_holm'), '.2g')}; the largest of "
@@ -420,11 +420,11 @@ def pairs_section(st: dict) -> list[str]:
 def decisive_results_section(st: dict) -> list[str]:
     "The table of every format × regime cell over the held-out seeds."
     seeds = st["protocol"]["heldout_seeds"]
-    L = ["## Results per format × rule (held-out seeds)", "",
+    L = ["## Results per format × regime (held-out seeds)", "",
          f"Mean ± half-width of the 95% t-interval over the held-out seeds {', '.join(map(str, seeds))}. **Benefit**: "
-         f"L_nearest − L_rule paired by seed (for FP32 master weights: the master-weight gap); Holm: adjusted over the "
-         f"grid rules' family (the gap is its own family). **Recovered**: benefit / gap with Fieller's interval.", "",
-         "| format | rule | lr × | final val loss | benefit vs nearest | Holm p | recovered | finished |",
+         f"L_nearest − L_regime paired by seed (for FP32 master weights: the master-weight gap); Holm: adjusted over the "
+         f"grid regimes' family (the gap is its own family). **Recovered**: benefit / gap with Fieller's interval.", "",
+         "| format | regime | lr × | final val loss | benefit vs nearest | Holm p | recovered | finished |",
          "|---|---|---|---|---|---|---|---|"]
     for f, per in st["cells"].items():
         for r, c in per.items():
@@ -438,7 +438,7 @@ def decisive_results_section(st: dict) -> list[str]:
 
 # %% ../nbs/35_answer.ipynb #e9edda59
 def law_section(st: dict) -> list[str]:
-    "The law per quantity (gap and each rule's benefit) and the rank correlations across formats."
+    "The law per quantity (gap and each regime's benefit) and the rank correlations across formats."
     L = ["", "## The mechanism as a law", "",
          "One point per format × learning-rate multiplier from the tuning seeds' runs: x = nearest's predicted stall "
          "(share of updates below half a grid step), y = the paired difference to nearest at the same multiplier. One "
@@ -514,7 +514,7 @@ def decisive_protocol_section(st: dict, inputs: dict) -> list[str]:
             f"{fmt_num(inputs.get('num_params'), ',')} parameters, {fmt_num(inputs.get('grid_params'), ',')} of them "
             f"on the 8-bit grid.",
             f"- **Formats** {', '.join(plan['formats'])}; **regimes** "
-            f"{', '.join(f'`{r}` ({rule_label(r)})' for r in plan['rules'])}.",
+            f"{', '.join(f'`{r}` ({regime_label(r)})' for r in plan['regimes'])}.",
             f"- **Tuning seeds** {', '.join(map(str, pr['tuning_seeds']))} choose the learning-rate multiplier only; "
             f"**held-out seeds** {', '.join(map(str, pr['heldout_seeds']))} give every statistic. The validation set "
             f"is the same for every run, so every comparison is paired by seed.",
@@ -548,7 +548,7 @@ def _protocol_extras(st: dict, inputs: dict) -> list[str]:
     if an:
         L += [f"- **Headline rule**: {an['headline']}.", f"- **Law**: {an['law']}.",
               f"- **Correlation**: {an['correlation']}."]
-    cut = [r for r in DECISIVE_RULES if r not in st["plan"]["rules"]]
+    cut = [r for r in DECISIVE_REGIMES if r not in st["plan"]["regimes"]]
     if cut:
         L.append(f"- **Not run**: {', '.join(f'`{r}`' for r in cut)} of the default regimes (see the study's notes for "
                  f"why).")

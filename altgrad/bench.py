@@ -13,14 +13,14 @@ from .microscaling import RECIPES, get_recipe, quantize_blocks
 from .pool import Job, run_pool, job_env, runs_on_cpu
 from .config import load_config, parse_overrides
 from .data import prepare_eurlex, shared_data_dir
-from .regimes import UPDATE_RULES
+from .regimes import UPDATE_REGIMES
 from .runs import read_summary
 from .trainer import Trainer, device_info
 
 # %% auto #0
-__all__ = ['COMPILE_PROBE', 'BYTES_PER_ELEMENT', 'BLOCK_TARGET', 'DEFAULT_RULES', 'RULE_TARGETS', 'TRAIN_TARGET',
+__all__ = ['COMPILE_PROBE', 'BYTES_PER_ELEMENT', 'BLOCK_TARGET', 'DEFAULT_REGIMES', 'REGIME_TARGETS', 'TRAIN_TARGET',
            'DEVICE_TARGETS', 'PROFILE_REGIONS', 'BLOCK_TRAIN_TARGET', 'time_side_by_side', 'bench_quantize',
-           'bench_blocks', 'interleave_steps', 'bench_rules', 'unmet_goals', 'train_targets', 'layer_time_share',
+           'bench_blocks', 'interleave_steps', 'bench_regimes', 'unmet_goals', 'train_targets', 'layer_time_share',
            'compile_goals', 'block_goals', 'bench_train', 'peak_matmul_tflops', 'mfu', 'run_wave', 'knee', 'bench_jobs',
            'main']
 
@@ -112,8 +112,8 @@ def bench_blocks(numel: int = 16 * 2**20, recipes=("mxfp8", "mxfp6", "mxfp4", "n
                 target=BLOCK_TARGET, met=max(ratios.values()) <= BLOCK_TARGET)
 
 # %% ../nbs/27_bench.ipynb #14c5f372
-DEFAULT_RULES = ("nearest", "stochastic", "kahan", "madam_nearest", "lion_nearest")   # regimes.UPDATE_RULES names
-RULE_TARGETS = {"stochastic": 1.05, "kahan": 1.05, "madam_nearest": 1.05}   # step time / nearest's, cpu preset
+DEFAULT_REGIMES = ("nearest", "stochastic", "kahan", "madam_nearest", "lion_nearest")   # regimes.UPDATE_REGIMES names
+REGIME_TARGETS = {"stochastic": 1.05, "kahan": 1.05, "madam_nearest": 1.05}   # step time / nearest's, cpu preset
 
 # %% ../nbs/27_bench.ipynb #cd4ef817
 def _bench_data(tmp, max_docs: int = 200) -> str:
@@ -138,16 +138,16 @@ def interleave_steps(trainers: dict, steps: int, warmup: int = 3) -> dict[str, l
     return times
 
 # %% ../nbs/27_bench.ipynb #94ce3adf
-def bench_rules(preset: str = "cpu", fmt: str = "E4M3", steps: int = 30, data_dir: str | None = None, warmup: int = 3,
-                rules=DEFAULT_RULES, shadow: bool = False, **overrides) -> dict:
-    """Median step time of trainers of `preset`, one per update regime (`regimes.UPDATE_RULES` names), interleaved;
+def bench_regimes(preset: str = "cpu", fmt: str = "E4M3", steps: int = 30, data_dir: str | None = None, warmup: int = 3,
+                regimes=DEFAULT_REGIMES, shadow: bool = False, **overrides) -> dict:
+    """Median step time of trainers of `preset`, one per update regime (`regimes.UPDATE_REGIMES` names), interleaved;
     ratios to `nearest`."""
     import tempfile
     from pathlib import Path
-    rules = list(dict.fromkeys(["nearest", *rules]))                 # nearest is the baseline: always there, first
-    bad = [r for r in rules if r not in UPDATE_RULES]
-    if bad: raise ValueError(f"unknown rule(s) {bad}; valid: {', '.join(UPDATE_RULES)}")
-    if not fmt: raise ValueError("bench_rules needs an 8-bit format (fmt), the weights live on its grid")
+    regimes = list(dict.fromkeys(["nearest", *regimes]))                 # nearest is the baseline: always there, first
+    bad = [r for r in regimes if r not in UPDATE_REGIMES]
+    if bad: raise ValueError(f"unknown regime(s) {bad}; valid: {', '.join(UPDATE_REGIMES)}")
+    if not fmt: raise ValueError("bench_regimes needs an 8-bit format (fmt), the weights live on its grid")
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,17 +155,17 @@ def bench_rules(preset: str = "cpu", fmt: str = "E4M3", steps: int = 30, data_di
         trainers = {k: Trainer(load_config(preset, **{**dict(data_dir=data_dir, out_dir=str(Path(tmp) / k), fmt=fmt,
                                                              shadow=shadow, max_steps=warmup + steps,
                                                              wandb_mode="disabled"),
-                                                      **overrides, **UPDATE_RULES[k].overrides()}), progress=False)
-                    for k in rules}
+                                                      **overrides, **UPDATE_REGIMES[k].overrides()}), progress=False)
+                    for k in regimes}
         times = interleave_steps(trainers, steps, warmup)
         t0 = trainers["nearest"]
         tps, device = t0.tokens_per_step, t0.device
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = {k: round(v / med["nearest"], 4) for k, v in med.items()}
-    targets = {k: v for k, v in RULE_TARGETS.items() if k in ratio}
-    return dict(benchmark="train_rules", preset=preset, fmt=fmt, shadow=shadow, steps=steps,
+    targets = {k: v for k, v in REGIME_TARGETS.items() if k in ratio}
+    return dict(benchmark="train_regimes", preset=preset, fmt=fmt, shadow=shadow, steps=steps,
                 warmup=warmup, **_env(device), tokens_per_step=tps,
-                rules={k: UPDATE_RULES[k].overrides() for k in rules},
+                regimes={k: UPDATE_REGIMES[k].overrides() for k in regimes},
                 step_time={k: round(v, 6) for k, v in med.items()}, ratio_to_nearest=ratio, targets=targets,
                 met=all(ratio[k] <= v for k, v in targets.items()))
 
@@ -370,22 +370,23 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--steps", type=int, default=30)
     t.add_argument("--data-dir", default=None)
     t.add_argument("--warmup", type=int, default=3, help="interleaved rounds before timing starts")
-    t.add_argument("--rules", nargs="?", const=",".join(DEFAULT_RULES), default=None, metavar="RULE,...",
+    t.add_argument("--regimes", nargs="?", const=",".join(DEFAULT_REGIMES), default=None, metavar="REGIME,...",
                    help=f"time update regimes (altgrad.regimes) relative to nearest instead (default list: "
-                        f"{','.join(DEFAULT_RULES)}; "
-                        f"also {','.join(k for k in UPDATE_RULES if k not in DEFAULT_RULES)})")
-    t.add_argument("--shadow", action="store_true", help="with --rules: keep the FP32 shadow on in every trainer")
+                        f"{','.join(DEFAULT_REGIMES)}; "
+                        f"also {','.join(k for k in UPDATE_REGIMES if k not in DEFAULT_REGIMES)})")
+    t.add_argument("--rules", dest="regimes", nargs="?", const=",".join(DEFAULT_REGIMES), help=argparse.SUPPRESS)  # old
+    t.add_argument("--shadow", action="store_true", help="with --regimes: keep the FP32 shadow on in every trainer")
     t.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile the 8-bit trainer over STEPS further steps: share of time in the 8-bit layers, "
                         "top operators")
-    t.add_argument("--no-shadow", action="store_true", help="without --rules: leave out the +shadow trainers")
-    t.add_argument("--compiled", action="store_true", help="without --rules: also plain and 8-bit with compile=on")
+    t.add_argument("--no-shadow", action="store_true", help="without --regimes: leave out the +shadow trainers")
+    t.add_argument("--compiled", action="store_true", help="without --regimes: also plain and 8-bit with compile=on")
     t.add_argument("--recipes", default="", metavar="RECIPE,...",
-                   help="without --rules: also block recipes (e.g. mxfp8), each timed against --fmt's step")
+                   help="without --regimes: also block recipes (e.g. mxfp8), each timed against --fmt's step")
     t.add_argument("--device", default=None,
                    help="cpu, cuda, cuda:N (default: the preset's, auto = CUDA when there is one)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="without --rules: TrainConfig override of every trainer (repeatable), e.g. log_interval=10")
+                   help="without --regimes: TrainConfig override of every trainer (repeatable), e.g. log_interval=10")
     j = sub.add_parser("jobs", help="runs per hour against concurrent runs per device; the knee is --jobs' default",
                        parents=[strict])
     j.add_argument("--preset", default="gpu")
@@ -410,12 +411,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError: p.error(f"--jobs: comma-separated counts, got {a.jobs!r}")
         if not counts or min(counts) < 1: p.error(f"--jobs: counts must be >= 1, got {a.jobs!r}")
         res = bench_jobs(a.preset, counts, a.steps, a.data_dir, **parse_overrides(a.set))
-    elif a.rules is not None:
-        rules = [r.strip() for r in a.rules.split(",") if r.strip()]
-        bad = [r for r in rules if r not in UPDATE_RULES]
-        if bad: p.error(f"--rules: unknown rule(s) {bad}; valid: {', '.join(UPDATE_RULES)}")
-        res = bench_rules(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup,
-                          rules=rules, shadow=a.shadow, **dev)
+    elif a.regimes is not None:
+        regimes = [r.strip() for r in a.regimes.split(",") if r.strip()]
+        bad = [r for r in regimes if r not in UPDATE_REGIMES]
+        if bad: p.error(f"--regimes: unknown regime(s) {bad}; valid: {', '.join(UPDATE_REGIMES)}")
+        res = bench_regimes(preset=a.preset, fmt=a.fmt, steps=a.steps, data_dir=a.data_dir, warmup=a.warmup,
+                          regimes=regimes, shadow=a.shadow, **dev)
     else:
         try: recipes = [get_recipe(n.strip()).name for n in a.recipes.split(",") if n.strip()]
         except KeyError as e: p.error(f"--recipes: {e.args[0]}")

@@ -9,15 +9,17 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 import yaml
 import torch
+import altgrad                                       # the package folder: presets/, research.yaml
 from .formats import get_format
-from .regimes import UPDATE_RULES, UpdateRule, rule_of, settings_of   # (nbs/04c_regimes: below this notebook)
+from .regimes import UPDATE_REGIMES, UpdateRegime, regime_name, settings_of   # (nbs/04c_regimes: below this notebook)
+from .block_gemm import canonical_format, is_block_format   # (nbs/04e_block_gemm: below this notebook)
 
 # %% auto #0
 __all__ = ['BLOCK_FIXED_KEYS', 'REGIME_KEYS', 'KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS',
-           'RESEARCH_KEYS', 'ConfigError', 'TrainConfig', 'regime_keys', 'as_rule', 'rule_from_keys', 'saved_regime',
-           'fold_regime', 'merge_keys', 'renamed_keys', 'missing_keys', 'config_keys_help', 'check_keys', 'preset_path',
-           'load_config', 'parse_value', 'parse_overrides', 'save_config', 'lr_at', 'resolve_device', 'autocast_dtype',
-           'device_info', 'research_choices']
+           'RESEARCH_KEYS', 'ConfigError', 'TrainConfig', 'regime_keys', 'as_regime', 'regime_from_keys',
+           'saved_regime', 'fold_regime', 'merge_keys', 'renamed_keys', 'missing_keys', 'config_keys_help',
+           'check_keys', 'preset_path', 'load_config', 'parse_value', 'parse_overrides', 'save_config', 'lr_at',
+           'resolve_device', 'autocast_dtype', 'device_info', 'research_choices']
 
 # %% ../nbs/05_config.ipynb #0c920285
 class ConfigError(ValueError):
@@ -59,7 +61,7 @@ class TrainConfig:
     quantize_grads: bool = False
     rounding: str = "nearest"
     margin: int = 0
-    # --- update regime: one value, a registered name or an UpdateRule (altgrad.regimes; old configs: REGIME_KEYS) ---
+    # --- update regime: one value, a registered name or an UpdateRegime (altgrad.regimes; old configs: REGIME_KEYS) ---
     regime: object = "fp32"
     lr_scale: float | None = None
     layer_formats: list = field(default_factory=list)
@@ -250,8 +252,7 @@ def _coerce(key: str, value, tp):
 
 # %% ../nbs/05_config.ipynb #de473e73
 def _check_format(key: str, name) -> str | None:
-    "Error message if `name` is neither a registered element format nor a block recipe (08_block_gemm)."
-    from altgrad.block_gemm import canonical_format      # (08 comes after this notebook)
+    "Error message if `name` is neither a registered element format nor a block recipe (04e_block_gemm)."
     if not isinstance(name, str): return f"{key} must be a format name (str), got {name!r}"
     try: canonical_format(name)
     except ValueError as e: return f"{key}={name!r}: {e}"
@@ -274,7 +275,6 @@ BLOCK_FIXED_KEYS = {   # tensor-wise scaling keys that a block recipe fixes itse
 
 def _check_block_keys(cfg) -> list[str]:
     "One error per `BLOCK_FIXED_KEYS` key set away from its default in a config whose every format is a block recipe."
-    from altgrad.block_gemm import is_block_format       # (08 comes after this notebook)
     fmts = [f for f in [cfg.fmt, *(r[1] for r in cfg.layer_formats if isinstance(r, list) and len(r) == 2)]
             if f is not None]
     if not fmts or not all(is_block_format(f) for f in fmts): return []    # a tensor-wise layer reads these keys
@@ -292,7 +292,7 @@ def _validate(cfg: TrainConfig):
     for key, allowed in _CHOICES.items():
         v = getattr(cfg, key)
         if v not in allowed: errors.append(f"{key}={v!r} is not one of {', '.join(repr(a) for a in allowed)}")
-    try: cfg.regime = as_rule(cfg.regime)              # the regime's own checks (UpdateRule): the one validation of it
+    try: cfg.regime = as_regime(cfg.regime)              # the regime's own checks (UpdateRegime): the one validation of it
     except ValueError as e: errors.append(str(e))
     for key, rng in _RANGES.items():
         v = getattr(cfg, key)
@@ -324,53 +324,53 @@ def _validate(cfg: TrainConfig):
 REGIME_KEYS = ("master_weights", "weight_update", "optimizer", "residual_dtype")
 _SPELLED_AFTER = {"amax_algo": ("master_weights",), "regime": ("optimizer",),
                   "lr_scale": ("weight_update", "residual_dtype")}
-def regime_keys(rule) -> dict:
-    "The regime `rule` (an `UpdateRule`) spelled as `REGIME_KEYS`, as every saved config and checkpoint stores it."
-    return dict(master_weights=rule.master_weights, weight_update=rule.landing, optimizer=rule.optimizer,
-                residual_dtype=rule.residual_dtype)
+def regime_keys(regime) -> dict:
+    "The regime `regime` (an `UpdateRegime`) spelled as `REGIME_KEYS`, as every saved config and checkpoint stores it."
+    return dict(master_weights=regime.master_weights, weight_update=regime.landing, optimizer=regime.optimizer,
+                residual_dtype=regime.residual_dtype)
 
 # %% ../nbs/05_config.ipynb #4f82378c
 def _regime_error(value, why: str) -> ValueError:
-    names = ", ".join(UPDATE_RULES)
+    names = ", ".join(UPDATE_REGIMES)
     return ValueError(f"regime={value!r} {why}; valid names: {names}. Fix: use one of these names, "
-                      "or pass an altgrad.regimes.UpdateRule (register a new one with altgrad.regimes.register_rule)")
+                      "or pass an altgrad.regimes.UpdateRegime (register a new one with altgrad.regimes.register_regime)")
 
 # %% ../nbs/05_config.ipynb #45619245
-def as_rule(value):
-    "The `UpdateRule` that `regime=value` names: an `UpdateRule` (or its fields, as saved) or a registered name."
+def as_regime(value):
+    "The `UpdateRegime` that `regime=value` names: an `UpdateRegime` (or its fields, as saved) or a registered name."
     if isinstance(value, dict):
-        names = [f.name for f in fields(UpdateRule)]
+        names = [f.name for f in fields(UpdateRegime)]
         if set(value) - set(names) or not {"name", "label"} <= set(value):
-            raise _regime_error(value, f"as a mapping needs the UpdateRule fields {', '.join(names)}")
-        value = UpdateRule(**value)
-    if isinstance(value, UpdateRule):
-        reg = UPDATE_RULES.get(value.name)
+            raise _regime_error(value, f"as a mapping needs the UpdateRegime fields {', '.join(names)}")
+        value = UpdateRegime(**value)
+    if isinstance(value, UpdateRegime):
+        reg = UPDATE_REGIMES.get(value.name)
         if reg is not None and settings_of(reg) != settings_of(value):
-            raise ValueError(f"regime {value.name!r} is an UpdateRule with the name of a registered regime but other "
+            raise ValueError(f"regime {value.name!r} is an UpdateRegime with the name of a registered regime but other "
                              f"settings ({settings_of(value)}, registered: {settings_of(reg)}). Fix: rename it")
         return value
-    if isinstance(value, str) and value in UPDATE_RULES: return UPDATE_RULES[value]
+    if isinstance(value, str) and value in UPDATE_REGIMES: return UPDATE_REGIMES[value]
     raise _regime_error(value, "is not a registered update regime" if isinstance(value, str) else
-                        f"({type(value).__name__}) is neither a registered name nor an UpdateRule")
+                        f"({type(value).__name__}) is neither a registered name nor an UpdateRegime")
 
 # %% ../nbs/05_config.ipynb #74b92edc
-def rule_from_keys(keys: dict, lr_scale=None):
-    """The regime that `REGIME_KEYS` values ran: the registered rule they spell, else an unregistered `UpdateRule`
+def regime_from_keys(keys: dict, lr_scale=None):
+    """The regime that `REGIME_KEYS` values ran: the registered regime they spell, else an unregistered `UpdateRegime`
     'custom'."""
-    try: r = UPDATE_RULES[rule_of({**keys, "lr_scale": lr_scale})]
+    try: r = UPDATE_REGIMES[regime_name({**keys, "lr_scale": lr_scale})]
     except ValueError: r = None
     if r is not None and regime_keys(r) == keys: return r
     # r matched but keys it does not read differ (a landing under FP32 master weights): r's name, these keys
     name, label, lr = (r.name, r.label, r.lr_scale) if r else ("custom", "custom update regime", None)
-    return UpdateRule(name, label, keys["master_weights"], keys["weight_update"], keys["optimizer"], lr,
+    return UpdateRegime(name, label, keys["master_weights"], keys["weight_update"], keys["optimizer"], lr,
                         keys["residual_dtype"])
 
 # %% ../nbs/05_config.ipynb #c6fe0506
-def saved_regime(rule, lr_scale=None) -> dict:
-    """What a saved config adds to `REGIME_KEYS` so that it reloads as `rule`: nothing where they (with `lr_scale`) read
+def saved_regime(regime, lr_scale=None) -> dict:
+    """What a saved config adds to `REGIME_KEYS` so that it reloads as `regime`: nothing where they (with `lr_scale`) read
     back as it, else `regime`: its name (registered) or its fields (unregistered)."""
-    if rule_from_keys(regime_keys(rule), lr_scale) == rule: return {}
-    return {"regime": rule.name if UPDATE_RULES.get(rule.name) == rule else asdict(rule)}
+    if regime_from_keys(regime_keys(regime), lr_scale) == regime: return {}
+    return {"regime": regime.name if UPDATE_REGIMES.get(regime.name) == regime else asdict(regime)}
 
 # %% ../nbs/05_config.ipynb #8e31b957
 def fold_regime(d: dict, source: str = "config") -> dict:
@@ -378,10 +378,10 @@ def fold_regime(d: dict, source: str = "config") -> dict:
     value of them: ConfigError naming them. A bad `regime` is left for validation to report (with other problems)."""
     if not any(k in d for k in REGIME_KEYS): return d
     out, parts = {k: v for k, v in d.items() if k not in REGIME_KEYS}, {k: d[k] for k in REGIME_KEYS if k in d}
-    try: given = as_rule(d.get("regime", "fp32"))
+    try: given = as_regime(d.get("regime", "fp32"))
     except ValueError: return out
     lr, keys = d.get("lr_scale"), {**regime_keys(given), **parts}
-    try: out["regime"] = given if "regime" in d and keys == regime_keys(given) else rule_from_keys(keys, lr)
+    try: out["regime"] = given if "regime" in d and keys == regime_keys(given) else regime_from_keys(keys, lr)
     except ValueError as e:
         raise ConfigError(f"invalid config (in {source}): the regime keys {parts} give no valid regime: {e}") from None
     return out
@@ -391,7 +391,7 @@ def merge_keys(base: dict, top: dict) -> dict:
     """`{**base, **top}`, except that a `regime` in `top` replaces the whole regime of `base`: its `regime`,
     `REGIME_KEYS` and an `lr_scale` that was that regime's own."""
     if "regime" not in top: return {**base, **top}
-    try: own = as_rule(fold_regime(base).get("regime", "fp32")).lr_scale
+    try: own = as_regime(fold_regime(base).get("regime", "fp32")).lr_scale
     except ValueError: own = None                  # (a bad regime that `top` replaces anyway)
     drop = {"regime", *REGIME_KEYS, *(("lr_scale",) if own is not None and base.get("lr_scale") == own else ())}
     return {**{k: v for k, v in base.items() if k not in drop}, **top}
@@ -421,9 +421,9 @@ KEY_DOCS = {   # one line per TrainConfig key: what it means (allowed values are
     "quantize_grads": "also quantize the weight gradients",
     "rounding": "rounding of the GEMM operands W, A, G: 'nearest' | 'stochastic' (training steps only)",
     "margin": "scale margin: amax maps to the format's max / 2**margin",
-    "regime": "update regime: a registered name (altgrad.regimes.UPDATE_RULES: fp32, nearest, stochastic, kahan, eco, "
+    "regime": "update regime: a registered name (altgrad.regimes.UPDATE_REGIMES: fp32, nearest, stochastic, kahan, eco, "
               "madam, lion, ...) "
-              "or an UpdateRule; the old keys master_weights, weight_update, optimizer, residual_dtype set its parts",
+              "or an UpdateRegime; the old keys master_weights, weight_update, optimizer, residual_dtype set its parts",
     "lr_scale": "optimizer lr = schedule lr x lr_scale (None: the regime's own, else the optimizer's default, "
                 "optim.default_lr_scale)",
     "layer_formats": "[[pattern, format-or-None], ...] per-layer formats, first match wins (fmt covers the rest)",
@@ -539,7 +539,6 @@ PRESETS: dict[str, dict] = {
 
 def preset_path(name: str) -> Path:
     "Path of the YAML copy of preset `name` shipped in `altgrad/presets/`."
-    import altgrad
     return Path(altgrad.__file__).parent / "presets" / f"{name}.yaml"
 
 # %% ../nbs/05_config.ipynb #bb3ad841
@@ -657,7 +656,6 @@ RESEARCH_KEYS = ("run_order", "expectations", "retries")
 def research_choices(path=None) -> dict:
     """The research choices of `altgrad/research.yaml` (or `path`): `run_order`, `expectations`, `retries` (see the
     file)."""
-    import altgrad
     p = Path(path) if path else Path(altgrad.__file__).parent / "research.yaml"
     d = _read_yaml(p)
     if not isinstance(d, dict): raise ConfigError(f"{p}: expected a mapping with keys {', '.join(RESEARCH_KEYS)}")

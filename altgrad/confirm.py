@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 from .config import load_config, TrainConfig
 from .data import prepare_eurlex, shared_data_dir
-from .regimes import get_rule
+from .regimes import get_regime
 # the study table: a row per run; per step
 from .runs import TABLE, TABLE_PARQUET, STEPS_FILE, read_table, read_steps
 from .runs import check_run, config_diff, read_summary, run_status, DONE
@@ -51,7 +51,7 @@ class Design:
     @property
     def heldout_units(self) -> list: return [(i, d) for i in self.heldout_inits for d in self.heldout_datas]
     @property
-    def grid_regimes(self) -> list: return [r for r in self.regimes if get_rule(r).master_weights == "format"]
+    def grid_regimes(self) -> list: return [r for r in self.regimes if get_regime(r).master_weights == "format"]
     def to_dict(self) -> dict: return asdict(self)
     @classmethod
     def from_dict(cls, d: dict) -> Design:
@@ -91,10 +91,10 @@ def spec_config(design: Design, spec: Spec, out, data_dir) -> TrainConfig:
                   out_dir=str(run_dir(out, spec)), wandb_mode="disabled", layer_formats=[], interventions=False,
                   stop_on_nan=True)
     if spec.regime is None:
-        return load_config(design.preset, **common, **get_rule("fp32").overrides(), lr_scale=1.0,
+        return load_config(design.preset, **common, **get_regime("fp32").overrides(), lr_scale=1.0,
                            max_steps=design.trunk_step, lr_decay_steps=design.steps,
                            checkpoint_interval=design.trunk_step)
-    regime = {k: v for k, v in get_rule(spec.regime).overrides().items() if k != "lr_scale"}
+    regime = {k: v for k, v in get_regime(spec.regime).overrides().items() if k != "lr_scale"}
     return load_config(design.preset, **common, **regime, lr_scale=lr_scale_for(spec.regime, spec.mult),
                        max_steps=design.steps, checkpoint_interval=design.steps,
                        init_from=str(trunk_checkpoint(out, spec, design)))

@@ -464,7 +464,7 @@ def quantize_model(model: nn.Module, format=None, layer_formats=None, quantize_t
         for i, r in enumerate(fmts):
             if r.matches(name):
                 hits[i] += 1
-                if is_block_format(r.fmt): todo.append((name, block_layer(m, r.fmt, len(todo), **kw)))   # 08_block_gemm
+                if is_block_format(r.fmt): todo.append((name, block_layer(m, r.fmt, len(todo), **kw)))   # 04e_block_gemm
                 elif r.fmt is not None: todo.append((name, QuantizedLinear.from_linear(m, fmt=r.fmt, **kw)))
                 break
     for r, h in zip(fmts, hits):
@@ -570,7 +570,7 @@ def queue_quant_metrics(reads: HostRead, model: nn.Module, block: bool = True) -
     `block=False` leaves out the block layers' diagnostics (the trainer computes them on the steps it logs only)."""
     # grid: block layers whose weights live on their grid
     layers, grid = quantized_layers(model), grid_block_layers(model)
-    blk = block_metric_parts(model) if block else None   # block layers' diagnostics on the device (08_block_gemm)
+    blk = block_metric_parts(model) if block else None   # block layers' diagnostics on the device (04e_block_gemm)
     if not layers and not grid: return reads.add(*blk) if blk else reads.add(torch.zeros(0), lambda _: {})
     rows, meta, upd = [], [], []
     for name, m in layers:

@@ -10,7 +10,7 @@ import numpy as np
 import matplotlib.pyplot as plt
 from .grid import LANDINGS, R_EDGES, RESIDUAL_BYTES
 from .optim import default_lr_scale
-from .regimes import get_rule, rule_of
+from .regimes import get_regime, regime_name
 from .block_report import block_section, block_scaling_text
 from .runs import Run, load_run, run_finished, layer_formats_of
 from .report_figures import (
@@ -289,9 +289,9 @@ def mechanism_table(run: Run) -> list[dict]:
 
 # %% ../nbs/30_report.ipynb #3e0513e3
 def regime_of(cfg: dict):
-    """The registered update regime (`altgrad.regimes.UpdateRule`) a run's config ran, or None when no registered regime
+    """The registered update regime (`altgrad.regimes.UpdateRegime`) a run's config ran, or None when no registered regime
     matches."""
-    try: return get_rule(rule_of(cfg))
+    try: return get_regime(regime_name(cfg))
     except ValueError: return None
 
 # %% ../nbs/30_report.ipynb #01b0070a
@@ -310,10 +310,10 @@ def mechanism_regime(run: Run) -> str:
         except ValueError: lr = "learning-rate scale unknown"
     base = f"`optimizer={opt}`, {lr}"
     if cfg.get("master_weights", "fp32") != "format":
-        return (f"Rule: FP32 master weights (`master_weights=fp32`; `weight_update` does not apply), {base}. The "
+        return (f"Regime: FP32 master weights (`master_weights=fp32`; `weight_update` does not apply), {base}. The "
                 f"measured stall is that of the 8-bit view the forward uses; ρ measures the FP32 copy.")
     wu = cfg.get("weight_update") or "nearest"
-    s = f"Rule: `weight_update={wu}` lands w + u on the {run.fmt} grid, {base}."
+    s = f"Regime: `weight_update={wu}` lands w + u on the {run.fmt} grid, {base}."
     if _carries_residual(wu): s += f" The {wu} residual costs {_residual_text(cfg)}."
     return s
 

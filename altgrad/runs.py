@@ -403,7 +403,7 @@ def find_sweeps(path) -> list[Path]:
     return [s for c in _subdirs(p) for s in find_sweeps(c)] + ([p] if is_sweep(p) else [])
 
 def find_matrices(path) -> list[Path]:
-    "Every rule-matrix folder (holding `matrix.json`, see `altgrad.matrix`) at or below `path`, deepest first."
+    "Every regime-matrix folder (holding `matrix.json`, see `altgrad.matrix`) at or below `path`, deepest first."
     p = Path(path)
     if is_writeup(p): return []
     return [m for c in _subdirs(p) for m in find_matrices(c)] + ([p] if (p / "matrix.json").exists() else [])

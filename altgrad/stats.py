@@ -90,7 +90,7 @@ def paired_seeds(*maps) -> list:
     return [s for s in sorted(maps[0]) if all(s in m and finite(m[s]) for m in maps)]
 
 def paired_benefit(control: dict, treated: dict, conf: float = 0.95, use_scipy: bool | None = None) -> dict:
-    """Benefit of a rule over its control, paired by seed (`{seed: final loss or None}` each): d_s = L_control − L_rule
+    """Benefit of a regime over its control, paired by seed (`{seed: final loss or None}` each): d_s = L_control − L_regime
     over the seeds where both finished; mean, t-interval, effect size mean/SD(d) (None when SD is 0 or n < 3)."""
     seeds = paired_seeds(control, treated)
     d = [control[s] - treated[s] for s in seeds]
@@ -121,8 +121,8 @@ def ratio_ci(num, den, conf: float = 0.95, use_scipy: bool | None = None) -> dic
 # %% ../nbs/28_stats.ipynb #713ac9fb
 def recovered_fraction(nearest: dict, treated: dict, upper: dict, conf: float = 0.95,
                        use_scipy: bool | None = None) -> dict:
-    """Share of the master-weight gap a rule closes over the seeds where all three finished: R = mean benefit / mean gap
-    (benefit L_near − L_rule, gap L_near − L_fp32) with Fieller's interval (`ratio_ci`); `resolved`: the gap's interval
+    """Share of the master-weight gap a regime closes over the seeds where all three finished: R = mean benefit / mean gap
+    (benefit L_near − L_regime, gap L_near − L_fp32) with Fieller's interval (`ratio_ci`); `resolved`: the gap's interval
     lies above 0 (a gap resolved *negative*, nearest beating FP32 master weights, leaves nothing to recover); `gap`: its
     mean_ci; `per_seed`: the ratios d_s/g_s, for reference only."""
     seeds = paired_seeds(nearest, treated, upper)

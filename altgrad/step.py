@@ -28,7 +28,7 @@ def quant_pre_step(model: nn.Module, snapshot: dict[str, torch.Tensor] | None = 
         if m.qdw is not None and w.grad is not None: w.grad.copy_(m.qdw.quantize(w.grad, train=True))
         before = snapshot.get(f"{name}.weight")
         m._snapshot = before if before is not None and before.shape == w.shape else w.detach().clone()
-    for name, m in grid_block_layers(model):                     # weights on a block grid (08_block_gemm)
+    for name, m in grid_block_layers(model):                     # weights on a block grid (04e_block_gemm)
         before = snapshot.get(f"{name}.weight")
         m._snapshot = before if before is not None and before.shape == m.weight.shape else m.weight.detach().clone()
 

@@ -15,7 +15,7 @@ from .data import unigram_baseline, data_for_vocab, vocab_info
 from .model import GPT, GPTConfig
 from .checkpoint import atomic_write_text
 from .optim import default_lr_scale
-from .regimes import get_rule, UPDATE_RULES
+from .regimes import get_regime, UPDATE_REGIMES
 from .stats import finite
 from .tracking import compact_run, metrics_file
 from .trainer import Trainer, run_state, move_to_previous
@@ -23,10 +23,10 @@ from .runs import check_run, same_config, load_run
 from .sweep import portable, resolve_preset
 
 # %% auto #0
-__all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER', 'REF_PRECISIONS', 'REQUIRED_EXPECTATIONS',
-           'STUDY_KEYS', 'STUDY_DEFAULTS', 'INPUTS_FILE', 'RETIRED_DESIGN_COMMIT', 'DECISIVE_RULES',
+__all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_REGIMES', 'CONTROL', 'UPPER', 'REF_PRECISIONS', 'REQUIRED_EXPECTATIONS',
+           'STUDY_KEYS', 'STUDY_DEFAULTS', 'INPUTS_FILE', 'RETIRED_DESIGN_COMMIT', 'DECISIVE_REGIMES',
            'ANALYSIS_SETTINGS', 'TUNING_SEEDS', 'HELDOUT_SEEDS', 'CHOICE_RULE', 'RUN_OVERHEAD_SECONDS', 'mult_label',
-           'parse_mults', 'lr_scale_for', 'distinct_formats', 'normalize_rules', 'StudyPlan', 'study_defaults',
+           'parse_mults', 'lr_scale_for', 'distinct_formats', 'normalize_regimes', 'StudyPlan', 'study_defaults',
            'make_plan', 'RunSpec', 'reference_spec', 'format_spec', 'parse_shard', 'run_dir', 'spec_config',
            'resumable', 'finalize_run', 'train_spec', 'claim_run', 'execute', 'collect_runs', 'json_safe', 'join_names',
            'model_inputs', 'vocab_inputs', 'Protocol', 'make_protocol', 'decisive_plan', 'tuning_specs',
@@ -37,7 +37,7 @@ __all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_RULES', 'CONTROL', 'UPPER
 # %% ../nbs/32_study.ipynb #32a00005
 DISTINCT_FORMATS = ("E0M7", "E2M5", "E3M4", "E4M3", "E5M2", "E6M1", "E7M0")
 DEFAULT_SEEDS = (42, 43, 44)
-STUDY_RULES = ("fp32", "nearest", "stochastic", "kahan", "madam", "lion")     # registry names: the default selection
+STUDY_REGIMES = ("fp32", "nearest", "stochastic", "kahan", "madam", "lion")     # registry names: the default selection
 CONTROL, UPPER = "nearest", "fp32"     # every benefit is measured against CONTROL; UPPER keeps the weights off the grid
 REF_PRECISIONS = ("fp32", "bf16")
 REQUIRED_EXPECTATIONS = tuple(research_choices()["expectations"])     # the requirements' hypotheses
@@ -69,10 +69,10 @@ def parse_mults(text) -> list[float]:
     return out
 
 # %% ../nbs/32_study.ipynb #aab085aa-lr-scale-for
-def lr_scale_for(rule: str, mult: float) -> float:
-    """The `lr_scale` of regime `rule` at multiplier `mult` of its base (its own `lr_scale`, else its optimizer's
+def lr_scale_for(regime: str, mult: float) -> float:
+    """The `lr_scale` of regime `regime` at multiplier `mult` of its base (its own `lr_scale`, else its optimizer's
     default; 6 significant digits)."""
-    r = get_rule(rule)
+    r = get_regime(regime)
     return float(f"{mult * (r.lr_scale if r.lr_scale is not None else default_lr_scale(r.optimizer)):.6g}")
 
 # %% ../nbs/32_study.ipynb #4903f935
@@ -94,15 +94,15 @@ def distinct_formats(formats) -> tuple[list[str], dict]:
     return keep, equal
 
 # %% ../nbs/32_study.ipynb #a8443e9e
-def normalize_rules(rules=None) -> list[str]:
-    """Registry names in the study's order (`STUDY_RULES` first, then the registry's); `fp32` and
+def normalize_regimes(regimes=None) -> list[str]:
+    """Registry names in the study's order (`STUDY_REGIMES` first, then the registry's); `fp32` and
     `nearest` always included."""
-    order = list(STUDY_RULES) + [r for r in UPDATE_RULES if r not in STUDY_RULES]
-    given = [str(r).strip().lower() for r in rules if str(r).strip()] if rules else list(STUDY_RULES)
-    bad = [r for r in given if r not in UPDATE_RULES]
+    order = list(STUDY_REGIMES) + [r for r in UPDATE_REGIMES if r not in STUDY_REGIMES]
+    given = [str(r).strip().lower() for r in regimes if str(r).strip()] if regimes else list(STUDY_REGIMES)
+    bad = [r for r in given if r not in UPDATE_REGIMES]
     if bad:
-        raise ConfigError(f"unknown rule(s) {', '.join(map(repr, bad))}; valid rules: "
-                          f"{', '.join(r for r in order if r in UPDATE_RULES)}")
+        raise ConfigError(f"unknown regime(s) {', '.join(map(repr, bad))}; valid regimes: "
+                          f"{', '.join(r for r in order if r in UPDATE_REGIMES)}")
     want = set(given) | {UPPER, CONTROL}
     return [r for r in order if r in want]
 
@@ -114,7 +114,7 @@ class StudyPlan:
     steps: int
     seeds: list
     formats: list
-    rules: list
+    regimes: list
     lr_mults: list
     lr_formats: list
     shadow: bool
@@ -124,7 +124,8 @@ class StudyPlan:
     def to_dict(self) -> dict: return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> StudyPlan: return cls(**d)
+    def from_dict(cls, d: dict) -> StudyPlan:         # inputs written before the regimes had that name say `rules`
+        return cls(**{("regimes" if k == "rules" else k): v for k, v in d.items()})
 
 # %% ../nbs/32_study.ipynb #a75fb823
 def study_defaults(preset: str) -> dict:
@@ -150,7 +151,7 @@ def _lr_formats(lr_formats, fmts: list, equal: dict, default) -> list:
     return [f for f in fmts if f in lf]
 
 # %% ../nbs/32_study.ipynb #7823370a
-def make_plan(preset: str = "cpu", formats=None, rules=None, seeds=None, steps: int | None = None, lr_mults=None,
+def make_plan(preset: str = "cpu", formats=None, regimes=None, seeds=None, steps: int | None = None, lr_mults=None,
               lr_formats=None, shadow: bool | None = None, overrides: dict | None = None) -> StudyPlan:
     """Validate the study's settings (lists or comma-separated text; None: the preset's
     `study_defaults`) into a `StudyPlan`."""
@@ -174,20 +175,20 @@ def make_plan(preset: str = "cpu", formats=None, rules=None, seeds=None, steps: 
     fixed = [k for k in ov if k in STUDY_KEYS]
     if fixed: raise ConfigError(f"the study sets these keys itself, they cannot be overridden: {', '.join(fixed)}")
     load_config(preset, **ov)                                               # validates the values
-    return StudyPlan(preset=preset, steps=steps, seeds=seeds, formats=fmts, rules=normalize_rules(_as_list(rules)),
+    return StudyPlan(preset=preset, steps=steps, seeds=seeds, formats=fmts, regimes=normalize_regimes(_as_list(regimes)),
                      lr_mults=mults, lr_formats=_lr_formats(lr_formats, fmts, equal, d["lr_formats"]),
                      shadow=d["shadow"] if shadow is None else bool(shadow), overrides=ov, equal_formats=equal)
 
 # %% ../nbs/32_study.ipynb #32a00010
 @dataclass(frozen=True)
 class RunSpec:
-    """One run of the matrix: an 8-bit run (`fmt`, its regime `rule`) or a reference (`fmt=None`, its
+    """One run of the matrix: an 8-bit run (`fmt`, its regime `regime`) or a reference (`fmt=None`, its
     `precision`: 'fp32' or 'bf16')."""
     name: str
     phase: str
     seed: int
     fmt: str | None = None
-    rule: str | None = None
+    regime: str | None = None
     lr_mult: float | None = None
     precision: str | None = None
 
@@ -197,9 +198,9 @@ def reference_spec(seed: int, precision: str, mult: float = 1.0, phase: str = "l
     tag = "" if mult == 1.0 else f"-x{mult_label(mult)}"
     return RunSpec(f"ref-{precision}{tag}-s{seed}", phase, seed, None, None, mult, precision)
 
-def format_spec(fmt: str, rule: str, seed: int, mult: float, phase: str = "seeds") -> RunSpec:
-    "An 8-bit run: `<fmt>-<rule>-x<mult>-s<seed>`."
-    return RunSpec(f"{fmt}-{rule}-x{mult_label(mult)}-s{seed}", phase, seed, fmt, rule, mult)
+def format_spec(fmt: str, regime: str, seed: int, mult: float, phase: str = "seeds") -> RunSpec:
+    "An 8-bit run: `<fmt>-<regime>-x<mult>-s<seed>`."
+    return RunSpec(f"{fmt}-{regime}-x{mult_label(mult)}-s{seed}", phase, seed, fmt, regime, mult)
 
 # %% ../nbs/32_study.ipynb #32a00010-reference-spec-parse-shard
 def parse_shard(text: str) -> tuple[int, int]:
@@ -220,8 +221,8 @@ def spec_config(plan: StudyPlan, spec: RunSpec, out, data_dir: str, wandb_mode: 
     if spec.fmt is None:
         return load_config(plan.preset, fmt=None, shadow=False, precision=spec.precision,
                            lr_scale=lr_scale_for(UPPER, spec.lr_mult or 1.0), **common)
-    regime = {k: v for k, v in get_rule(spec.rule).overrides().items() if k != "lr_scale"}
-    return load_config(plan.preset, fmt=spec.fmt, shadow=plan.shadow, lr_scale=lr_scale_for(spec.rule, spec.lr_mult),
+    regime = {k: v for k, v in get_regime(spec.regime).overrides().items() if k != "lr_scale"}
+    return load_config(plan.preset, fmt=spec.fmt, shadow=plan.shadow, lr_scale=lr_scale_for(spec.regime, spec.lr_mult),
                        **regime, **common)
 
 # %% ../nbs/32_study.ipynb #32a00013-resumable
@@ -404,10 +405,10 @@ def vocab_inputs(plan: StudyPlan, data) -> dict:
     return dict(unigram=unigram_baseline(d), vocab=vocab_info(d))
 
 # %% ../nbs/32_study.ipynb #32h851db
-DECISIVE_RULES = ("fp32", "nearest", "stochastic", "kahan", "madam")
+DECISIVE_REGIMES = ("fp32", "nearest", "stochastic", "kahan", "madam")
 ANALYSIS_SETTINGS = dict(    # how the answer reads the held-out runs; written into the study's
                              # inputs before the seed phase
-    headline="the format × grid-aware rule cell with the largest mean held-out benefit over nearest (one of m cells): "
+    headline="the format × grid-aware regime cell with the largest mean held-out benefit over nearest (one of m cells): "
              "its 95% t-interval, a simultaneous (Bonferroni, 1 − 0.05/m) interval, and Holm's p over the m cells; it "
              "is 'resolved' only when Holm's p < 0.05",
     alpha=0.05, power=0.8,
@@ -416,7 +417,7 @@ ANALYSIS_SETTINGS = dict(    # how the answer reads the held-out runs; written i
         "master-weight gap); one isotonic curve through all points; 'one curve' when the in-sample R² ≥ 0.7 and the "
         "leave-one-format-out RMSE ≤ 0.6 × the points' SD (an out-of-sample R² of at least 1 − 0.36·n/(n − 1): 0.62 "
         "for 21 points)",
-    correlation="Spearman across the formats of nearest's predicted stall (held-out seeds) and each rule's benefit, "
+    correlation="Spearman across the formats of nearest's predicted stall (held-out seeds) and each regime's benefit, "
                 "exact permutation p (two-sided)")
 TUNING_SEEDS, HELDOUT_SEEDS = (42, 43, 44), (45, 46, 47, 48, 49, 50)
 CHOICE_RULE = ("per regime, the multiplier with the fewest failed tuning runs, then the lowest mean final validation "
@@ -457,24 +458,24 @@ def make_protocol(tuning_seeds=None, heldout_seeds=None, base_mults=None, max_ex
     return Protocol(tune, held, mults, 3.0, max_extensions, CHOICE_RULE, sensitivity or None)
 
 # %% ../nbs/32_study.ipynb #ab282cd5-decisive-plan
-def decisive_plan(preset: str = "study", formats=None, rules=None, proto: Protocol | None = None,
+def decisive_plan(preset: str = "study", formats=None, regimes=None, proto: Protocol | None = None,
                   steps: int | None = None, shadow: bool | None = None, overrides: dict | None = None) -> StudyPlan:
     "The `StudyPlan` of a decisive study: every format is tuned, seeds = tuning then held-out seeds."
     proto = proto or make_protocol()
-    return make_plan(preset, formats, rules or DECISIVE_RULES, proto.tuning_seeds + proto.heldout_seeds, steps,
+    return make_plan(preset, formats, regimes or DECISIVE_REGIMES, proto.tuning_seeds + proto.heldout_seeds, steps,
                      proto.base_mults, formats or DISTINCT_FORMATS, shadow, overrides)
 
 # %% ../nbs/32_study.ipynb #32h8cb49
-def tuning_specs(plan: StudyPlan, proto: Protocol, rule: str, mults) -> list[RunSpec]:
-    "The tuning runs of `rule` at `mults`: every format × tuning seed."
-    return [format_spec(f, rule, s, m, "lr") for m in mults for f in plan.formats for s in proto.tuning_seeds]
+def tuning_specs(plan: StudyPlan, proto: Protocol, regime: str, mults) -> list[RunSpec]:
+    "The tuning runs of `regime` at `mults`: every format × tuning seed."
+    return [format_spec(f, regime, s, m, "lr") for m in mults for f in plan.formats for s in proto.tuning_seeds]
 
 # %% ../nbs/32_study.ipynb #32h8cb49-choose-bracketed
-def choose_bracketed(plan: StudyPlan, proto: Protocol, rule: str, mults, losses: dict) -> dict:
+def choose_bracketed(plan: StudyPlan, proto: Protocol, regime: str, mults, losses: dict) -> dict:
     "`CHOICE_RULE` over `mults` (every tuning run in `losses`): `{'mult', 'table'}`."
     rows = {}
     for m in mults:
-        names = [s.name for s in tuning_specs(plan, proto, rule, [m])]
+        names = [s.name for s in tuning_specs(plan, proto, regime, [m])]
         ok = [losses[n] for n in names if finite(losses[n])]
         rows[mult_label(m)] = dict(mult=m, mean_loss=math.fsum(ok) / len(ok) if ok else None, n=len(ok),
                                    failed=[n for n in names if not finite(losses[n])])
@@ -483,14 +484,14 @@ def choose_bracketed(plan: StudyPlan, proto: Protocol, rule: str, mults, losses:
     return dict(mult=min(mults, key=key), table=rows)
 
 # %% ../nbs/32_study.ipynb #7c0f5732
-def bracket_grid(plan: StudyPlan, proto: Protocol, rule: str, losses: dict) -> dict:
-    """The grid of `rule` given the finished tuning runs `losses` (`{name: loss or None}`, absent: not run yet):
+def bracket_grid(plan: StudyPlan, proto: Protocol, regime: str, losses: dict) -> dict:
+    """The grid of `regime` given the finished tuning runs `losses` (`{name: loss or None}`, absent: not run yet):
     `{'mults' (in order of addition), 'status': pending | bracketed | unbracketed | single, 'mult', 'table'}`."""
     mults = list(proto.base_mults)
     for k in range(proto.max_extensions + 1):
-        if any(s.name not in losses for s in tuning_specs(plan, proto, rule, mults)):
+        if any(s.name not in losses for s in tuning_specs(plan, proto, regime, mults)):
             return dict(mults=mults, status="pending", mult=None, table={})
-        c = choose_bracketed(plan, proto, rule, mults, losses)
+        c = choose_bracketed(plan, proto, regime, mults, losses)
         if len(mults) == 1: return dict(mults=mults, status="single", **c)
         if min(mults) < c["mult"] < max(mults): return dict(mults=mults, status="bracketed", **c)
         if k == proto.max_extensions: return dict(mults=mults, status="unbracketed", **c)
@@ -500,18 +501,18 @@ def bracket_grid(plan: StudyPlan, proto: Protocol, rule: str, losses: dict) -> d
 # %% ../nbs/32_study.ipynb #7c0f5732-bracket-grids
 def bracket_grids(plan: StudyPlan, proto: Protocol, losses: dict) -> dict:
     "`bracket_grid` of every regime."
-    return {r: bracket_grid(plan, proto, r, losses) for r in plan.rules}
+    return {r: bracket_grid(plan, proto, r, losses) for r in plan.regimes}
 
 def decisive_lr_specs(plan: StudyPlan, proto: Protocol, grids: dict) -> list[RunSpec]:
     "Every tuning run of the current grids."
-    return [s for r in plan.rules for s in tuning_specs(plan, proto, r, grids[r]["mults"])]
+    return [s for r in plan.regimes for s in tuning_specs(plan, proto, r, grids[r]["mults"])]
 
 # %% ../nbs/32_study.ipynb #144a411a
 def decisive_seed_specs(plan: StudyPlan, proto: Protocol, mults: dict) -> list[RunSpec]:
     """Held-out seeds: both references at FP32 master weights' multiplier, every format × regime
     at the regime's multiplier."""
     out = [reference_spec(s, p, mults[UPPER], "seeds") for s in proto.heldout_seeds for p in REF_PRECISIONS]
-    return out + [format_spec(f, r, s, mults[r]) for s in proto.heldout_seeds for f in plan.formats for r in plan.rules]
+    return out + [format_spec(f, r, s, mults[r]) for s in proto.heldout_seeds for f in plan.formats for r in plan.regimes]
 
 # %% ../nbs/32_study.ipynb #144a411a-decisive-choice
 def decisive_choice(grids: dict) -> dict | None:
@@ -577,7 +578,7 @@ def decisive_command(plan: StudyPlan | dict, proto: Protocol | dict, out, data_d
     "The `altgrad-study --design decisive` command that trains (or reuses) exactly this study."
     p, q = (x if isinstance(x, dict) else x.to_dict() for x in (plan, proto))
     a = ["altgrad-study", "--design", "decisive", "--preset", p["preset"], "--out", str(out),
-         "--formats", ",".join(p["formats"]), "--rules", ",".join(p["rules"]),
+         "--formats", ",".join(p["formats"]), "--regimes", ",".join(p["regimes"]),
          "--tuning-seeds", ",".join(map(str, q["tuning_seeds"])),
          "--heldout-seeds", ",".join(map(str, q["heldout_seeds"])), "--steps", str(p["steps"]),
          "--lr-mults", ",".join(mult_label(m) if abs(m - round(m, 3)) < 1e-12
@@ -598,15 +599,15 @@ def decisive_estimate(plan: StudyPlan, proto: Protocol, step_seconds: dict, shar
     """Runs and wall time of the decisive study: `step_seconds` has one entry per regime and `reference_fp32` /
     `reference_bf16` (seconds per step). `{'runs', 'runs_worst', 'hours', 'hours_worst', 'over'}` (hours: wall time
     on `shards` processes)."""
-    miss = [k for k in [*plan.rules, *(f"reference_{p}" for p in REF_PRECISIONS)] if k not in step_seconds]
+    miss = [k for k in [*plan.regimes, *(f"reference_{p}" for p in REF_PRECISIONS)] if k not in step_seconds]
     if miss:
         raise ConfigError(f"step times missing for {', '.join(miss)}; give them all (e.g. --step-seconds fp32=0.3,...)")
     over = step_seconds.get("overhead", RUN_OVERHEAD_SECONDS)     # measured by `measure_step_seconds`
-    per = lambda s: plan.steps * step_seconds[s.rule if s.fmt else f"reference_{s.precision}"] + over
-    ones = {r: 1.0 for r in plan.rules}
-    base = ([s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults)]
+    per = lambda s: plan.steps * step_seconds[s.regime if s.fmt else f"reference_{s.precision}"] + over
+    ones = {r: 1.0 for r in plan.regimes}
+    base = ([s for r in plan.regimes for s in tuning_specs(plan, proto, r, proto.base_mults)]
             + decisive_seed_specs(plan, proto, ones))
-    ext = [s for r in plan.rules for s in tuning_specs(plan, proto, r, [1.0] * proto.max_extensions)]
+    ext = [s for r in plan.regimes for s in tuning_specs(plan, proto, r, [1.0] * proto.max_extensions)]
     sec, sec_ext = math.fsum(map(per, base)), math.fsum(map(per, ext))
     h, hw = sec / shards / 3600, (sec + sec_ext) / shards / 3600
     return dict(runs=len(base), runs_worst=len(base) + len(ext), hours=h, hours_worst=hw, shards=shards,
@@ -630,12 +631,12 @@ def measure_step_seconds(plan: StudyPlan, data_dir: str, steps: int = 8, fmt: st
     out, over = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         short = dataclasses.replace(plan, steps=steps)
-        specs = ([format_spec(fmt, r, plan.seeds[0], 1.0) for r in plan.rules]
+        specs = ([format_spec(fmt, r, plan.seeds[0], 1.0) for r in plan.regimes]
                  + [reference_spec(plan.seeds[0], p) for p in REF_PRECISIONS])
         for sp in specs:
             Trainer(spec_config(short, sp, tmp, data_dir), progress=False).fit()
             s = load_run(run_dir(tmp, sp.name)).summary
-            out[sp.rule if sp.fmt else f"reference_{sp.precision}"] = s["step_time"]
+            out[sp.regime if sp.fmt else f"reference_{sp.precision}"] = s["step_time"]
             over.append(max(0.0, s["seconds"] - steps * s["step_time"]))
     return {**out, "overhead": float(np.median(over))}
 

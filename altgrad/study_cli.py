@@ -11,7 +11,7 @@ from .trainer import Interrupted
 from .runs import check_run, final_loss, run_status, DONE
 from .sweep import ensure_data, portable
 from .pool import Job, JobsInterrupted, run_pool, job_env, runs_on_cpu, one_thread
-from .study import (DISTINCT_FORMATS, STUDY_RULES, StudyPlan, Protocol, parse_shard, run_dir, spec_config,
+from .study import (DISTINCT_FORMATS, STUDY_REGIMES, StudyPlan, Protocol, parse_shard, run_dir, spec_config,
                            execute, collect_runs, join_names, make_protocol, decisive_plan, tuning_specs, bracket_grids,
                            decisive_lr_specs, decisive_seed_specs, decisive_choice, name_shard, write_decisive_inputs,
                            decisive_estimate, estimate_text, measure_step_seconds, parse_step_seconds, INPUTS_FILE,
@@ -114,8 +114,8 @@ def check_jobs(a) -> None:
 # %% ../nbs/37_study_cli.ipynb #c0b97561-study-total
 def study_total(plan: StudyPlan, proto: Protocol) -> int:
     "About how many runs the study has (no grid extension)."
-    first = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults)]
-    return len(first) + len(decisive_seed_specs(plan, proto, {r: 1.0 for r in plan.rules}))
+    first = [s for r in plan.regimes for s in tuning_specs(plan, proto, r, proto.base_mults)]
+    return len(first) + len(decisive_seed_specs(plan, proto, {r: 1.0 for r in plan.regimes}))
 
 # %% ../nbs/37_study_cli.ipynb #c0b97561-study-total-count-finished
 def count_finished(out, seen: set | None = None) -> int:
@@ -174,18 +174,19 @@ def train_in_jobs(a, argv, plan: StudyPlan, total: int) -> int | None:
 # %% ../nbs/37_study_cli.ipynb #37a00011
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="altgrad-study",
-                                description="The decisive study: formats × update rules × seeds with "
+                                description="The decisive study: formats × update regimes × seeds with "
                                 "references, learning rates tuned on tuning seeds and measured on held-out seeds; "
                                 "writes OUT/answer.md, OUT/study.json and OUT/figures/.")
     p.add_argument("--preset", default="study", help="study (default), cpu, gpu, smoke, auto, or a YAML config")
     p.add_argument("--out", default="outputs/study")
     p.add_argument("--formats",
                    help=f"comma-separated (default: {','.join(DISTINCT_FORMATS)}; grid-equivalent ones are dropped)")
-    p.add_argument("--rules",
-                   help=f"comma-separated regimes of altgrad.regimes (default: {','.join(STUDY_RULES)}; fp32 and "
+    p.add_argument("--regimes",
+                   help=f"comma-separated regimes of altgrad.regimes (default: {','.join(STUDY_REGIMES)}; fp32 and "
                         f"nearest always run)")
+    p.add_argument("--rules", dest="regimes", help=argparse.SUPPRESS)        # the old name of --regimes
     p.add_argument("--steps", type=int, help="steps per run (default: the preset's study default, cpu: 120)")
-    p.add_argument("--lr-mults", help="learning-rate multipliers of each rule's default, e.g. 1/3,1,3")
+    p.add_argument("--lr-mults", help="learning-rate multipliers of each regime's default, e.g. 1/3,1,3")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--shadow", dest="shadow", action="store_true", help="FP32 shadow on in the 8-bit runs")
     g.add_argument("--no-shadow", dest="shadow", action="store_false", help="FP32 shadow off (cpu default)")
@@ -237,15 +238,15 @@ def _parser() -> argparse.ArgumentParser:
 def _decisive_cli(a, ov, argv=()) -> int:
     "The decisive design's part of `study_cli` (`argv`: the command's arguments, for `--jobs`)."
     proto = make_protocol(a.tuning_seeds, a.heldout_seeds, a.lr_mults, a.max_extensions, a.sensitivity)
-    plan = decisive_plan(a.preset, a.formats, a.rules, proto, a.steps, a.shadow, ov)
+    plan = decisive_plan(a.preset, a.formats, a.regimes, proto, a.steps, a.shadow, ov)
     sh = parse_shard(a.shard) if a.shard else None
     if a.dry_run:
-        first = [s for r in plan.rules for s in tuning_specs(plan, proto, r, proto.base_mults)
+        first = [s for r in plan.regimes for s in tuning_specs(plan, proto, r, proto.base_mults)
                  if not sh or name_shard(s.name, sh[1]) == sh[0]]
         print(f"{len(first)} runs in the first tuning round" + (f" of shard {a.shard}" if sh else "") + ": "
               + join_names([s.name for s in first], 8)
               + f"; then up to {proto.max_extensions} grid extensions and "
-                f"{len(decisive_seed_specs(plan, proto, {r: 1.0 for r in plan.rules}))} "
+                f"{len(decisive_seed_specs(plan, proto, {r: 1.0 for r in plan.regimes}))} "
               "held-out runs (use --estimate for the time)")
         return 0
     if a.estimate:
@@ -264,7 +265,7 @@ def _decisive_cli(a, ov, argv=()) -> int:
 
 # %% ../nbs/37_study_cli.ipynb #b42bbcc6
 def study_cli(argv: list[str] | None = None) -> int:
-    """`altgrad-study --preset study --out outputs/study [--formats ..] [--rules ..] [--steps N] [--shard i/n |
+    """`altgrad-study --preset study --out outputs/study [--formats ..] [--regimes ..] [--steps N] [--shard i/n |
     --collect DIR ..] [--report-only] [--jobs N]`"""
     argv = sys.argv[1:] if argv is None else [str(x) for x in argv]
     a = _parser().parse_args(argv)

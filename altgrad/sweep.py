@@ -9,13 +9,14 @@ from pathlib import Path
 import numpy as np
 import yaml
 import torch
+import altgrad                                       # the package folder (find_notebook)
 from .config import load_config, ConfigError, TrainConfig, check_keys, parse_overrides, research_choices
 from .formats import get_format, grid_equivalent, equivalent_formats
 from .block_gemm import canonical_format, is_block_format
 from .data import prepare_eurlex, shared_data_dir, load_meta, unigram_baseline
 from .optim import OPTIMIZERS, default_lr_scale
 from .trainer import Trainer, Interrupted
-from .regimes import UPDATE_RULES, get_rule
+from .regimes import UPDATE_REGIMES, get_regime
 from .runs import (Run, load_run, REUSED_FILE, DONE, run_status, check_run, config_reasons, data_identity,
                           ignored_key)
 from .report import run_summary, short_layer, nan_origin
@@ -43,7 +44,7 @@ NOT_IN_REFERENCE = ("fmt", "fmt_backward", "scaling", "granularity", "block_size
 SWEEP_KEYS = dict(fmt="--formats", fmt_backward="--formats", layer_formats="(retries set them)", max_steps="--steps",
                   seed="--seed", out_dir="--out", data_dir="--data-dir", interventions="--interventions",
                   master_weights="--master-weights", stop_on_nan="(follows --interventions)",
-                  regime="--master-weights and --update-rules, or --set weight_update=/optimizer=",
+                  regime="--master-weights and --update-regimes, or --set weight_update=/optimizer=",
                   wandb_mode="--wandb-mode", resume="(finished runs are reused)")
 
 # %% ../nbs/31_sweep.ipynb #02b22a41
@@ -297,7 +298,6 @@ NOTEBOOK_OVERRIDE_PARAMS = ("weight_update", "optimizer", "rounding")
 
 def find_notebook(name: str = "run_format.ipynb") -> Path:
     "The experiment notebook: `./nbs/NAME`, else beside the installed package's source tree."
-    import altgrad
     for c in (Path.cwd() / "nbs" / name, Path(altgrad.__file__).resolve().parent.parent / "nbs" / name,
               Path.cwd() / name):
         if c.exists(): return c
@@ -313,7 +313,7 @@ def portable(path) -> str:
 def notebook_params(fmt: str, out, preset: str = "auto", steps: int | None = None, seed: int = 42, layer_formats=None,
                     tag: str = "", interventions: bool = False, master_weights: str = "fp32", stop_on_nan: bool = True,
                     data_dir: str = "", wandb_mode: str = "auto", overrides: dict | None = None) -> dict:
-    """The papermill parameters of one format run (`overrides` split into named update-rule keys and a JSON `overrides`;
+    """The papermill parameters of one format run (`overrides` split into named update-regime keys and a JSON `overrides`;
     `steps` None: the preset's)."""
     params = dict(fmt=fmt, preset=preset, seed=seed, interventions=interventions, master_weights=master_weights,
                   out_dir=portable(out), stop_on_nan=stop_on_nan, layer_formats=json.dumps(layer_formats or []),
@@ -373,7 +373,7 @@ def settings_note(cfg, master_weights: str = "fp32", interventions: bool = False
           if master_weights == "fp32" else "Master weights: on the 8-bit grid (`master_weights=format`): the weights "
           "are rounded onto the format's grid after every optimizer step, so updates below half a grid step are lost.")
     wu = g("weight_update", "nearest")
-    rule = (f"Update rule: optimizer `{g('optimizer', 'adamw')}`; GEMM operands (W, A, G) rounded "
+    regime = (f"Update regime: optimizer `{g('optimizer', 'adamw')}`; GEMM operands (W, A, G) rounded "
             f"`{g('rounding', 'nearest')}`; weight update `{wu}` "
             + ("(how `w + u` lands on the grid)." if master_weights == "format" else
                "(unused: with FP32 master weights the update is applied in FP32)."))
@@ -384,7 +384,7 @@ def settings_note(cfg, master_weights: str = "fp32", interventions: bool = False
     nan = ("NaN policy: interventions on, so runs continue through non-finite steps (skipped) until "
            f"{g('nan_patience', 10)} in a row; the NaN-triggered exponent shift needs 3." if interventions else
            "NaN policy: stop at the first non-finite step (the requirements' failure study).")
-    return "\n\n".join([mw, rule, ovt, nan])
+    return "\n\n".join([mw, regime, ovt, nan])
 
 # %% ../nbs/31_sweep.ipynb #00edf1de
 def sweep_setup(preset: str = "auto", out="outputs", steps: int = 500, seed: int = 42, formats=None,
@@ -607,7 +607,7 @@ def sweep_on_cpu(sweep: dict) -> bool:
 
 # %% ../nbs/31_sweep.ipynb #606c561c
 def train_concurrently(sweeps: list[dict], jobs: int, retry: bool = True, force: bool = False) -> dict:
-    """Train the runs of `sweeps` (each a dict of `run_sweep` keywords: one, or one per update rule) in up to `jobs`
+    """Train the runs of `sweeps` (each a dict of `run_sweep` keywords: one, or one per update regime) in up to `jobs`
     processes at once (`pool_plan`, `run_pool`; retries as soon as they can be decided, `retry_specs`), after refusing
     conflicts in every sweep before anything trains (unless `force`); returns `{str(out): names the pool trained}`
     ('reference' for the reference): the sequential pass (`run_sweep(pooled=...)`) reuses them."""
@@ -666,7 +666,7 @@ def train_concurrently(sweeps: list[dict], jobs: int, retry: bool = True, force:
             for p in plans}
 
 # %% ../nbs/31_sweep.ipynb #0f494115
-_IN_SWEEP_CLI = ("sweep_cli", "grid_rules", "update_rule_overrides", "matrix_note")
+_IN_SWEEP_CLI = ("sweep_cli", "grid_regimes", "regime_overrides", "matrix_note")
 
 def __getattr__(name: str):
     "`altgrad.sweep.<name>` of a name that moved to `altgrad.sweep_cli` (imported here lazily: it imports this module)."

@@ -149,7 +149,7 @@ def fake_decisive_study(out, plan: StudyPlan, proto, loss, stall, unigram: float
     out = Path(out); losses = {}
     def write(sp):
         if skip(sp.name): return
-        val = loss(sp.fmt, sp.rule or sp.precision, sp.lr_mult, sp.seed)
+        val = loss(sp.fmt, sp.regime or sp.precision, sp.lr_mult, sp.seed)
         write_fake_run(run_dir(out, sp.name), None if val is None else round(val, 6), fmt=sp.fmt, seed=sp.seed,
                        pred_stall=stall(sp.fmt, sp.lr_mult) if sp.fmt else 0.5, update_ratio=0.4,
                        precision=sp.precision or "auto")

@@ -86,8 +86,8 @@ def test_block_run_resumes_bit_exactly(fmt, regime, small_data, tmp_path):
 
 def _grid_regime(landing: str) -> str:
     "The registered AdamW regime that keeps the weights on the grid and lands them by `landing`."
-    from altgrad.regimes import UPDATE_RULES
-    return next(r.name for r in UPDATE_RULES.values() if r.master_weights == "format" and r.landing == landing
+    from altgrad.regimes import UPDATE_REGIMES
+    return next(r.name for r in UPDATE_REGIMES.values() if r.master_weights == "format" and r.landing == landing
                 and r.optimizer == "adamw" and r.residual_dtype == "fp32")
 
 

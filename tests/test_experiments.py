@@ -61,7 +61,7 @@ def test_sweep_cli(tmp_path, small_data):
     assert "| [E3M4](E3M4/report.md) | E3M4 | uniform | 8/8 |" in md, md     # smoke: 2 blocks x 4 linear layers, all 8-bit
     assert (tmp_path / "E3M4" / "report.md").exists() and (tmp_path / "summary.png").exists()
     assert "unigram baseline" in md and (tmp_path / "reference.png").exists() and "Master weights: FP32" in md
-    assert "Update rule: optimizer `adamw`" in md and "NaN policy: stop at the first non-finite step" in md
+    assert "Update regime: optimizer `adamw`" in md and "NaN policy: stop at the first non-finite step" in md
     for col in ("progress lost", "quantized-layer cosine", "all-parameter cosine", "lost update", "verdict"): assert col in md
     # a second call reuses the finished runs (an interrupted sweep continues) and writes the same table
     r2 = subprocess.run(r.args, cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=600)
@@ -146,7 +146,7 @@ def test_sweep_equivalent_formats_train_once(tmp_path, small_data):
     assert (tmp_path / "E1M6" / "reused.json").exists() and not (tmp_path / "E1M6" / "run").exists()
 
 
-def test_sweep_update_rule_flags(tmp_path, small_data):
+def test_sweep_update_regime_flags(tmp_path, small_data):
     "--optimizer/--rounding/--weight-update reach the format runs (the reference stays the standard one) and summary.md states them."
     r = sweep(tmp_path, small_data, "--formats", "E5M2", "--rounding", "stochastic", "--master-weights", "format",
               "--weight-update", "stochastic", steps=6)

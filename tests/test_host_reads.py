@@ -33,8 +33,8 @@ def test_batched_reads_log_the_same_metrics(tmp_path, small_data):
         assert p.returncode == 0, f"{k}: bit_identity.py failed:\n{log[-3000:]}"
         res[k] = json.loads(out.read_text())["hashes"]
     a, b = res["ref"], res["new"]
-    from altgrad.regimes import UPDATE_RULES
-    assert set(a) == set(b) and len(b) == 2 * len(UPDATE_RULES), (sorted(a), sorted(b))
+    from altgrad.regimes import UPDATE_REGIMES
+    assert set(a) == set(b) and len(b) == 2 * len(UPDATE_REGIMES), (sorted(a), sorted(b))
     n = 0
     for k in a:
         assert (a[k]["model"], a[k]["optimizer"]) == (b[k]["model"], b[k]["optimizer"]), f"{k}: the state moved"

@@ -195,7 +195,7 @@ def test_papermill_main_job(data, tmp_path):
 def test_study_cli(data, tmp_path):
     "Ctrl-C during a study run, then the same `altgrad-study` again: that run resumes."
     steps = 40
-    cmd = [_exe("altgrad-study"), "--preset", "smoke", "--out", tmp_path / "study", "--formats", "E5M2", "--rules", "nearest",
+    cmd = [_exe("altgrad-study"), "--preset", "smoke", "--out", tmp_path / "study", "--formats", "E5M2", "--regimes", "nearest",
            "--tuning-seeds", "42", "--heldout-seeds", "43,44", "--steps", steps, "--lr-mults", "1", "--max-extensions", "0",
            "--data-dir", data]
     _interrupt_and_rerun(cmd, tmp_path / "study", steps)

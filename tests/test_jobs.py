@@ -69,7 +69,7 @@ def test_sweep_jobs_equals_sequential(tmp_path, small_data):
 def test_study_jobs(tmp_path, small_data):
     "A tiny study with --jobs 2: two shards share the folder, every run is trained once, then the answer is written."
     out = tmp_path / "study"
-    r = _run(_cmd("altgrad-study", "study_cli", "study_cli"), "--preset", "smoke", "--formats", "E4M3", "--rules", "nearest",
+    r = _run(_cmd("altgrad-study", "study_cli", "study_cli"), "--preset", "smoke", "--formats", "E4M3", "--regimes", "nearest",
              "--tuning-seeds", "42", "--heldout-seeds", "43,44", "--steps", STEPS, "--lr-mults", "1", "--max-extensions", "0",
              "--data-dir", small_data, "--out", out, "--jobs", 2)
     n_runs = 2 + 2 * (2 + 2)               # tuning: E4M3 x (fp32, nearest); per held-out seed: references (FP32, BF16) and the same

@@ -65,9 +65,9 @@ def _same_run(a, b, la: dict, lb: dict, label: str) -> int:
 
 def test_unmeasured_steps_train_the_same(tmp_path, small_data, fmt="E7M0"):
     "Every registered regime on E7M0 (every weight update lands on a power of two), 4 steps logged at 3 and 4."
-    from altgrad.regimes import UPDATE_RULES
+    from altgrad.regimes import UPDATE_REGIMES
     n = 0
-    for regime in UPDATE_RULES:
+    for regime in UPDATE_REGIMES:
         a, la = _steps(small_data, tmp_path / f"{regime}-1", 1, fmt, regime)
         b, lb = _steps(small_data, tmp_path / f"{regime}-3", 3, fmt, regime)
         assert sorted(lb) == [3, 4], sorted(lb)

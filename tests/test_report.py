@@ -135,14 +135,14 @@ def test_real_run_compact_metrics(data, tmp_path):
     assert s1["quantized_layers"] is not None and s1["finished"] is True
 
 
-def test_cli_regenerates_rule_matrix(tmp_path):
-    "A folder of weights-on-grid sweeps, one per update rule: `altgrad-report` rewrites each sweep, then the matrix."
+def test_cli_regenerates_regime_matrix(tmp_path):
+    "A folder of weights-on-grid sweeps, one per update regime: `altgrad-report` rewrites each sweep, then the matrix."
     from altgrad.report import write_report
     from altgrad.testing import write_synthetic_run
     from altgrad.matrix import write_matrix
-    root = tmp_path / "rules"
-    for rule, wu, factors in (("nearest", "nearest", (1.09, 1.02)), ("kahan", "kahan", (1.03, 1.01))):
-        sw = root / rule
+    root = tmp_path / "regimes"
+    for regime, wu, factors in (("nearest", "nearest", (1.09, 1.02)), ("kahan", "kahan", (1.03, 1.01))):
+        sw = root / regime
         ref = write_synthetic_run(sw / "_reference" / "smoke-s42-n50", fmt=None)
         for fmt, vf in zip(("E7M0", "E5M2"), factors):
             write_synthetic_run(sw / fmt / "run", fmt=fmt, val_factor=vf, master_weights="format", weight_update=wu,

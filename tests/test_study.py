@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# 2 formats x 2 rules (+ the fp32-master regime, needed for the recovered fraction); tuning seed 42 at one multiplier,
+# 2 formats x 2 regimes (+ the fp32-master regime, needed for the recovered fraction); tuning seed 42 at one multiplier,
 # held-out seeds 43, 44
-ARGS = ["--preset", "smoke", "--formats", "E4M3,E7M0", "--rules", "nearest,kahan", "--tuning-seeds", "42", "--heldout-seeds", "43,44",
+ARGS = ["--preset", "smoke", "--formats", "E4M3,E7M0", "--regimes", "nearest,kahan", "--tuning-seeds", "42", "--heldout-seeds", "43,44",
         "--steps", "6", "--lr-mults", "1", "--max-extensions", "0"]
 N_RUNS = 2 * 3 + 2 * (2 + 2 * 3)      # tuning: formats x regimes; held-out seeds: references (FP32, BF16) + formats x regimes
 
@@ -58,7 +58,7 @@ def check_numbers(out: Path) -> dict:
                 d = [a - b for a, b in zip(ctrl, L) if a is not None and b is not None]
                 assert c["benefit"]["n"] == len(d) and (not d or c["benefit"]["mean"] == pytest.approx(mean(d)))
     md = (out / "answer.md").read_text()
-    assert st["answer"] in md and md.index(st["answer"]) < md.index("## Results per format × rule")
+    assert st["answer"] in md and md.index(st["answer"]) < md.index("## Results per format × regime")
     for f in st["plan"]["formats"]: assert f"| {f} |" in md
     for fig in st["figures"].values(): assert (out / fig).exists()
     return st
@@ -92,7 +92,7 @@ def test_shards_and_collect(study):
         assert (d / "config.yaml").exists() and (d / "summary.json").exists() and (d / "metrics.parquet").exists()
         assert not any(d.glob("checkpoints*")), "checkpoints are removed once a run finished"
     st = check_numbers(out)
-    assert st["complete"] and st["plan"]["rules"] == ["fp32", "nearest", "kahan"] and st["plan"]["seeds"] == [42, 43, 44]
+    assert st["complete"] and st["plan"]["regimes"] == ["fp32", "nearest", "kahan"] and st["plan"]["seeds"] == [42, 43, 44]
     assert set(st["references"]) == {"fp32", "bf16"}
     import yaml
     assert yaml.safe_load((out / "runs" / "ref-bf16-s43" / "config.yaml").read_text())["precision"] == "bf16"
@@ -128,7 +128,7 @@ def test_papermill_reuses(study):
     md = (out / "answer.md").read_text()
     nb_out = out.parent / "run_study.ipynb"
     pm.execute_notebook(str(ROOT / "nbs" / "run_study.ipynb"), str(nb_out), cwd=str(ROOT), kernel_name="python3", progress_bar=False,
-                        parameters=dict(preset="smoke", out=str(out), formats="E4M3,E7M0", rules="nearest,kahan", tuning_seeds="42",
+                        parameters=dict(preset="smoke", out=str(out), formats="E4M3,E7M0", regimes="nearest,kahan", tuning_seeds="42",
                                         heldout_seeds="43,44", steps=6, lr_mults="1", max_extensions=0, data_dir=str(data)))
     text = "".join("".join(o.get("text", "")) + json.dumps(o.get("data", {})) for c in json.loads(nb_out.read_text())["cells"]
                    for o in c.get("outputs", []))
@@ -246,7 +246,7 @@ def test_decisive_trains_in_shards_and_resumes(study, tmp_path):
     """A tiny decisive study trained for real (smoke preset): two shards share one folder, each stops when the other's tuning
     runs are missing, a rerun continues; the unsharded command then reuses every run and writes the answer."""
     import re
-    args = ["--design", "decisive", "--preset", "smoke", "--formats", "E4M3", "--rules", "nearest", "--tuning-seeds", "42",
+    args = ["--design", "decisive", "--preset", "smoke", "--formats", "E4M3", "--regimes", "nearest", "--tuning-seeds", "42",
             "--heldout-seeds", "43,44", "--steps", "6", "--lr-mults", "1,3", "--max-extensions", "0", "--data-dir", study["data"]]
     out = tmp_path / "decisive"
     trained = lambda log: sum(int(n) for n in re.findall(r"(\d+) trained", log))
@@ -277,7 +277,7 @@ def test_shards_share_work(small_data, tmp_path):
     trained twice; the unsharded
     command then reuses every run. A finished run that no longer matches its config is moved aside, never deleted."""
     import re, yaml
-    args = ["--design", "decisive", "--preset", "smoke", "--formats", "E4M3", "--rules", "nearest", "--tuning-seeds", "42",
+    args = ["--design", "decisive", "--preset", "smoke", "--formats", "E4M3", "--regimes", "nearest", "--tuning-seeds", "42",
             "--heldout-seeds", "43,44", "--steps", "6", "--lr-mults", "1,3", "--max-extensions", "0", "--data-dir", small_data]
     out = tmp_path / "shared"
     exe = [sys.executable, "-c", "import sys; from altgrad.study_cli import study_cli; sys.exit(study_cli(sys.argv[1:]))"]

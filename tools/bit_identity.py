@@ -8,7 +8,7 @@ Each regime trains the `smoke` preset for `--steps` steps on E4M3 and E7M0 (one 
 once from the regime's flat config keys (`master_weights`, `weight_update`, `optimizer`, `residual_dtype`: how every
 committed config.yaml states it) and, where the code has it, once from the regime's name (`regime=NAME`). The hash is a
 sha256 over the tensors' bytes (and the other entries' repr) of `model.state_dict()`, then `optimizer.state_dict()`, in
-key order. Regimes are read from the code under test (`altgrad.regimes.UPDATE_RULES`); `compare` reports the ones both
+key order. Regimes are read from the code under test (`altgrad.regimes.UPDATE_REGIMES`); `compare` reports the ones both
 files hold.
 """
 from __future__ import annotations
@@ -41,11 +41,11 @@ def state_hashes(trainer) -> dict:
     return out
 
 
-def flat_keys(rule) -> dict:
+def flat_keys(regime) -> dict:
     "The regime as the flat keys of old configs."
-    d = dict(master_weights=rule.master_weights, weight_update=rule.landing, optimizer=rule.optimizer,
-             residual_dtype=rule.residual_dtype)
-    return d if rule.lr_scale is None else {**d, "lr_scale": rule.lr_scale}
+    d = dict(master_weights=regime.master_weights, weight_update=regime.landing, optimizer=regime.optimizer,
+             residual_dtype=regime.residual_dtype)
+    return d if regime.lr_scale is None else {**d, "lr_scale": regime.lr_scale}
 
 
 def data_dir(path: Path) -> Path:
@@ -80,16 +80,16 @@ def run(out: Path, data: Path, steps: int, only: list | None = None, stage: str 
     "Every regime x format; `stage` 'half' / 'rest' (with `ckpt`, a folder): checkpoint at steps/2, then resume it."
     import torch
     torch.set_num_threads(1)
-    from altgrad.regimes import UPDATE_RULES, get_rule
+    from altgrad.regimes import UPDATE_REGIMES, get_regime
     import altgrad.config as C
     named = stage == "whole" and "regime" in {f.name for f in __import__("dataclasses").fields(C.TrainConfig)}
     res = {}
-    for name in (only or list(UPDATE_RULES)):
-        rule = get_rule(name)
+    for name in (only or list(UPDATE_REGIMES)):
+        regime = get_regime(name)
         for fmt in FORMATS:
             where = ckpt / f"{name}-{fmt}" if ckpt else None
             tag = "flat" if stage == "whole" else f"flat-{stage}"
-            res[f"{name}/{fmt}/{tag}"] = train({"fmt": fmt, **flat_keys(rule)}, data, steps, where, stage, metrics)
+            res[f"{name}/{fmt}/{tag}"] = train({"fmt": fmt, **flat_keys(regime)}, data, steps, where, stage, metrics)
             if named and not metrics: res[f"{name}/{fmt}/named"] = train({"fmt": fmt, "regime": name}, data, steps)
             print(name, fmt, {k: v for k, v in res[f"{name}/{fmt}/{tag}"].items() if k != "metrics"}, file=sys.stderr, flush=True)
     out.write_text(json.dumps(dict(code=os.environ.get("PYTHONPATH", ""), steps=steps, hashes=res), indent=1) + "\n")

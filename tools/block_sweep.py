@@ -109,10 +109,10 @@ def main(argv=None):
          "measure none (—). On the grid the forward GEMM's W is the stored weight itself, exact: its SQNR is "
          "infinite (—). NVFP4's stall on the grid is low for another reason: its FP32 tensor scale follows the "
          "tensor's largest weight, so whenever that weight moves every weight of the tensor moves with it (same codes, "
-         "see `08_block_gemm`), and such a move is not a stall even where the weight's own update was lost: † marks "
+         "see `04e_block_gemm`), and such a move is not a stall even where the weight's own update was lost: † marks "
          "NVFP4's on-grid stall, not comparable with the MX and tensor-wise rows. Under OCP FLOOR scales (the MX "
          "recipes here) a block's top weight that sits at the element format's largest value cannot grow: its growth "
-         "is clipped back under nearest and stochastic landing alike (`08_block_gemm`), which adds to the MX rows' "
+         "is clipped back under nearest and stochastic landing alike (`04e_block_gemm`), which adds to the MX rows' "
          "lost update on the grid. The verdict column (final validation loss within 10% of the reference's) is not "
          "given for the smoke preset: the reference barely trains, so almost any run, even a frozen one, would pass.", "", NOTE.replace("\n", " "), ""]
     train_s = sum(r["train_s"] or 0 for r in rows)

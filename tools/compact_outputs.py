@@ -41,8 +41,8 @@ def main(root="outputs"):
             p = cell / f
             if p.is_dir(): removed += sum(q.stat().st_size for q in p.rglob("*") if q.is_file()); shutil.rmtree(p)
             elif p.exists(): removed += p.stat().st_size; p.unlink()
-    old = "every cell's write-up is `<rule>/<format>/report.md`"
-    new = "the cells keep their runs (`<rule>/<format>/run/`) only: write-ups are kept for the main job's formats"
+    old = "every cell's write-up is `<regime>/<format>/report.md`"
+    new = "the cells keep their runs (`<regime>/<format>/run/`) only: write-ups are kept for the main job's formats"
     for p in list(root.rglob("summary.md")) + list(root.rglob("matrix.json")):   # the stored matrix note says where write-ups are
         t = p.read_text()
         if old in t: p.write_text(t.replace(old, new))

@@ -5,8 +5,8 @@ FP32 master weights and the FP32 shadow, less a format grid-equivalent to an ear
 2^-1: its run is E1M6's, as `altgrad-sweep` reuses it); then E7M0 and E5M2 with the weights on the grid under nearest,
 stochastic and kahan. Each run is one process of `altgrad.pool.run_pool` (`altgrad.sweep.sweep_job`, the process body of
 `altgrad-sweep --jobs`), at most `--jobs` at a time. Folders: the reference in `OUT/_reference/<preset>-s42-n<steps>/`,
-a format in `OUT/<fmt>/run`, a landing in `OUT/<fmt>-<landing>/run` (`altgrad-sweep --update-rules` would instead
-write `OUT/<rule>/<fmt>/run`); each run's log in `OUT/.jobs/<name>.log`.
+a format in `OUT/<fmt>/run`, a landing in `OUT/<fmt>-<landing>/run` (`altgrad-sweep --update-regimes` would instead
+write `OUT/<regime>/<fmt>/run`); each run's log in `OUT/.jobs/<name>.log`.
 
 No run starts in the last `--no-start` seconds before `--deadline`; at the deadline every running run gets SIGTERM (it
 checkpoints and exits; the machine keeps nothing, so it counts as unfinished), and a run still there `--grace` seconds

@@ -2,8 +2,8 @@
 
 - `outputs/study` (the decisive study, 432 runs under runs/<name>/) -> outputs/study/{runs.parquet, steps.parquet, alerts.parquet},
   keeping the per-step columns its answer reads (`altgrad.answer.STUDY_COLUMNS`: val/loss and the update mechanism's totals);
-- the sweep cells `outputs/rules/<rule>/<format>/run` and `outputs/weights-on-grid/<format>/run` -> one dataset per sweep
-  command's --out (`outputs/rules`, `outputs/weights-on-grid`), keeping every column the sweep summaries read
+- the sweep cells `outputs/regimes/<regime>/<format>/run` and `outputs/weights-on-grid/<format>/run` -> one dataset per sweep
+  command's --out (`outputs/regimes`, `outputs/weights-on-grid`), keeping every column the sweep summaries read
   (`SWEEP_COLUMNS`: the compact run format's totals and the per-layer overflow; not the per-layer underflow, stall and
   lost-update columns, which no summary reads); the references (`_reference/`) stay folders;
 - every run's summary, config and alerts are kept whole, and every kept value is read back and compared with its folder
@@ -20,7 +20,7 @@ from altgrad.answer import STUDY_COLUMNS
 from altgrad.tracking import COMPACT_COLUMNS
 
 SWEEP_COLUMNS = (*COMPACT_COLUMNS, "overflow/*", "grad_cos_sim/*.weight", "grad_norm_l2/*")
-PACKS = {"outputs/study": STUDY_COLUMNS, "outputs/rules": SWEEP_COLUMNS, "outputs/weights-on-grid": SWEEP_COLUMNS}
+PACKS = {"outputs/study": STUDY_COLUMNS, "outputs/regimes": SWEEP_COLUMNS, "outputs/weights-on-grid": SWEEP_COLUMNS}
 
 def kept(k: str, keep) -> bool: return k == "step" or any(fnmatch.fnmatchcase(k, p) for p in keep)
 
