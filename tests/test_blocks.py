@@ -192,3 +192,21 @@ def test_block_run_resumes_exactly_with_its_alert_state(small_data, tmp_path):
     def alerts(d): return [(r["step"], r["kind"]) for r in map(json.loads, (d / "alerts.jsonl").read_text().splitlines())]
     assert alerts(tmp_path / "a") and alerts(tmp_path / "a") == alerts(tmp_path / "b")
     assert breached and breached == first._block_breached                     # mxfp4 breaches by design
+
+
+def test_madam_on_a_block_grid_is_continuous_madam_landed_per_block(small_data, tmp_path):
+    """Madam with weights on an NVFP4 grid (E2M1 elements: mantissa bits, so no integer-exponent form): the continuous
+    form steps, each block lands by the regime's landing and the weights stay on their block grid."""
+    from altgrad.config import load_config
+    from altgrad.trainer import Trainer
+    from altgrad.block_gemm import grid_block_layers
+    from altgrad.microscaling import quantize_blocks
+    cfg = load_config("smoke", fmt="nvfp4", regime="madam", max_steps=2, data_dir=str(small_data), shadow=False,
+                      out_dir=str(tmp_path), wandb_mode="disabled", eval_interval=2, checkpoint_interval=2)
+    t = Trainer(cfg, progress=False); w0 = {n: m.weight.detach().clone() for n, m in grid_block_layers(t.model)}
+    t.fit()
+    assert type(t.optimizer).__name__ == "Madam" and not t.optimizer.intended        # no integer-exponent groups
+    for name, m in grid_block_layers(t.model):
+        assert int(m.updates) == 2 and m.weight_update == "stochastic", name
+        assert torch.equal(quantize_blocks(m.weight, m.config.recipe, weight=True).values, m.weight.detach()), name
+    assert any(not torch.equal(w0[n], m.weight) for n, m in grid_block_layers(t.model))
