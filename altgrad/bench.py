@@ -182,18 +182,23 @@ DEVICE_TARGETS = {"cuda": {"": 1.5, "+shadow": 2.0}}   # on a GPU: the 8-bit ste
                                                        # the shadow
 
 def train_targets(fmt: str, device) -> dict:
-    "The step-ratio goals of `fmt`'s variants on `device`: `TRAIN_TARGET` on the CPU, `DEVICE_TARGETS` elsewhere."
+    """The step-ratio goals of `fmt`'s variants on `device`: `TRAIN_TARGET` on the CPU, `DEVICE_TARGETS` elsewhere.
+    None for a block recipe: its goal (`block_goals`) is over the tensor-wise step of its element width, not plain."""
+    from altgrad.block_gemm import is_block_format
+    if is_block_format(fmt): return {}
     return {fmt + k: v for k, v in DEVICE_TARGETS.get(str(device).split(":")[0], {"": TRAIN_TARGET}).items()}
 
 # %% ../nbs/27_bench.ipynb #8ae55043
 PROFILE_REGIONS = {"share_in_8bit_layers": ("_QuantizedLinearFn", "_QuantizedLinearFnBackward"),
+                   "share_in_block_layers": ("_BlockGemmFn", "_BlockGemmFnBackward"),
                    "share_in_quant_post_step": ("altgrad.quant_post_step",),
                    "share_in_quant_metrics": ("altgrad.quant_metrics",)}
 
 def layer_time_share(trainer, steps: int = 10, top: int = 12) -> dict:
     """Shares of `trainer`'s wall time over `steps` steps (CPU profiler, so CPU runs only: on a GPU it would count
     launch time) spent in `PROFILE_REGIONS`: inside the 8-bit layers (forward and backward of every `QuantizedLinear`:
-    their GEMMs, quantization and counters), in `quant_post_step` (grid landing and update statistics) and in
+    their GEMMs, quantization and counters), inside the block layers (every `BlockLinear`'s three GEMMs and their
+    block quantization), in `quant_post_step` (grid landing and update statistics) and in
     `quant_metrics`; and the operators with the most self time. Numerators and denominator are inflated alike by the
     profiler's overhead; `wall_per_step` is measured under the profiler and is not comparable with `bench_train`'s
     step times."""
@@ -205,7 +210,11 @@ def layer_time_share(trainer, steps: int = 10, top: int = 12) -> dict:
     ev = prof.key_averages()
     share = {k: sum(e.cpu_time_total for e in ev if e.key in keys) / 1e6 / wall for k, keys in PROFILE_REGIONS.items()}
     ops = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return dict(steps=steps, wall_per_step=wall / steps, **share,
+    from altgrad.block_gemm import block_layers
+    from altgrad.quantized import quantized_layers
+    m = trainer.model
+    return dict(steps=steps, wall_per_step=wall / steps, layers={"8bit": len(quantized_layers(m)),
+                "block": len(block_layers(m))}, **share,
                 top_self_time_share={e.key: round(e.self_cpu_time_total / 1e6 / wall, 4) for e in ops})
 
 # %% ../nbs/27_bench.ipynb #52e1e276
@@ -245,8 +254,9 @@ def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, 
     """Median step time of plain (/ +shadow) (/ fmt / fmt+shadow) trainers of `preset`, interleaved; ratios to plain.
 
     The goals (`train_targets`: `TRAIN_TARGET` on the CPU, `DEVICE_TARGETS` on a GPU) are the 8-bit step over the
-    plain one. `profile` > 0 adds `layer_time_share` of the 8-bit trainer over that many further steps (the profile
-    that explains the ratio). `compiled` adds `plain+compiled` and `fmt+compiled` (`compile=on`; compiled in the
+    plain one (none for a block recipe as `fmt`: see `train_targets`). `profile` > 0 adds `layer_time_share` of the
+    `fmt` trainer over that many further steps (the profile that explains the ratio), and of each `recipes` trainer
+    (`profile_recipes`). `compiled` adds `plain+compiled` and `fmt+compiled` (`compile=on`; compiled in the
     warm-up rounds) and the goals in `compile_goals`. `recipes` (block recipe names) adds one trainer per recipe and
     `block_goals` (each over `fmt`'s step); `mean_step_time` counts the steps that log (every `log_interval`-th),
     which the medians leave out."""
@@ -269,6 +279,7 @@ def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, 
                     for k, v in variants.items()}
         times = interleave_steps(trainers, steps, warmup)
         prof = layer_time_share(trainers[fmt], profile) if fmt and profile > 0 else None
+        prof_r = {r: layer_time_share(trainers[r], profile) for r in recipes} if profile > 0 else {}
         tps = next(iter(trainers.values())).tokens_per_step
         flops = trainers["plain"].model.compute_split()["flops_total"] * tps      # model FLOPs of one step (no shadow)
         device = next(iter(trainers.values())).device
@@ -276,13 +287,14 @@ def bench_train(preset: str = "cpu", fmt: str | None = "E4M3", steps: int = 30, 
     ratio = {k: v / med["plain"] for k, v in med.items()}
     util = _utilisation(flops, med, device, next(iter(trainers.values())).amp_dtype)
     tg = {k: v for k, v in train_targets(fmt, device).items() if k in ratio} if fmt else {}
-    goal = dict(targets=tg, met=all(ratio[k] <= v for k, v in tg.items())) if fmt else {}
+    goal = dict(targets=tg, met=all(ratio[k] <= v for k, v in tg.items())) if tg else {}
     if compiled: goal["compile_goals"] = compile_goals(ratio, fmt, tg.get(fmt, TRAIN_TARGET) if fmt else TRAIN_TARGET)
     if recipes: goal["block_goals"] = block_goals(med, fmt, recipes)
     return dict(preset=preset, fmt=fmt, steps=steps, **_env(device),
                 tokens_per_step=tps, step_time=med, mean_step_time={k: statistics.mean(v) for k, v in times.items()},
                 tokens_per_sec={k: tps / v for k, v in med.items()}, ratio=ratio, **goal, **util,
-                **({"profile": prof} if prof else {}), **({"overrides": overrides} if overrides else {}))
+                **({"profile": prof} if prof else {}), **({"profile_recipes": prof_r} if prof_r else {}),
+                **({"overrides": overrides} if overrides else {}))
 
 # %% ../nbs/27_bench.ipynb #d7b2e9d0
 def peak_matmul_tflops(device: str = "cuda", n: int = 8192, dtype: torch.dtype = torch.bfloat16,

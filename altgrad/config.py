@@ -12,7 +12,7 @@ import torch
 import altgrad                                       # the package folder: presets/, research.yaml
 from .formats import get_format
 from .regimes import UPDATE_REGIMES, UpdateRegime, regime_name, settings_of   # (nbs/04c_regimes: below this notebook)
-from .block_gemm import canonical_format, is_block_format   # (nbs/04e_block_gemm: below this notebook)
+from .block_gemm import canonical_format, is_block_format, get_gemm_config   # (nbs/04e_block_gemm: below this notebook)
 
 # %% auto #0
 __all__ = ['BLOCK_FIXED_KEYS', 'REGIME_KEYS', 'KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS',
@@ -282,6 +282,25 @@ def _check_block_keys(cfg) -> list[str]:
     return [f"{k}={getattr(cfg, k)!r} has no effect with block recipe {names}: block recipes fix it ({why}); "
             f"unset {k} (default {dflt[k]!r})" for k, why in BLOCK_FIXED_KEYS.items() if getattr(cfg, k) != dflt[k]]
 
+def _check_block_combinations(cfg) -> list[str]:
+    """Errors for what block layers cannot do: interventions (they act on tensor-wise 8-bit layers only), and an
+    optimizer that lands its own weights (`lands_own`: integer-exponent Madam) on a block grid of exponent-only
+    elements, where it would silently fall back to its continuous form."""
+    rows = [r[1] for r in cfg.layer_formats if isinstance(r, list) and len(r) == 2]
+    blocks = [f for f in dict.fromkeys([cfg.fmt, cfg.fmt_backward, *rows]) if f is not None and is_block_format(f)]
+    if not blocks: return []
+    out, names, spec = [], ", ".join(map(str, blocks)), cfg.regime.optimizer_spec
+    if cfg.interventions:
+        out.append(f"interventions=true with block recipe {names}: interventions (G clipping, exponent shifts between "
+                   "registered 8-bit formats) act on tensor-wise layers only and would leave the block layers "
+                   "untouched; set interventions=false, or use a tensor-wise format (fmt=E4M3, E5M2, ...)")
+    own = [f for f in blocks if get_format(get_gemm_config(f).recipe.elem).man_bits == 0]
+    if spec.lands_own and cfg.master_weights == "format" and own:
+        out.append(f"optimizer={cfg.optimizer!r} with weights on the block grid of {', '.join(own)} (exponent-only "
+                   f"elements): {spec.lands_own} lands tensor-wise grids only; use a tensor-wise exponent-only format "
+                   "(fmt=E7M0), or master_weights=fp32, or another optimizer (adamw, lion)")
+    return out
+
 # %% ../nbs/05_config.ipynb #3f9f790d
 def _validate(cfg: TrainConfig):
     errors = []
@@ -316,7 +335,7 @@ def _validate(cfg: TrainConfig):
         if entry[1] is not None and (msg := _check_format(f"layer_formats[{i}] format", entry[1])): errors.append(msg)
     if not all(isinstance(t, str) for t in cfg.wandb_tags):
         errors.append(f"wandb_tags must be a list of strings, got {cfg.wandb_tags!r}")
-    if not errors: errors += _check_block_keys(cfg)
+    if not errors: errors += _check_block_keys(cfg) + _check_block_combinations(cfg)
     if errors: raise ConfigError("invalid config: " + "; ".join(errors))
 
 # %% ../nbs/05_config.ipynb #e2946298

@@ -237,7 +237,7 @@ def check_alerts(self: Trainer, m: dict, step: int) -> list[dict]:
     """Alert on the breached thresholds of `m` (`tracking.find_breaches`). The 8-bit layers' breaches go to the
     tracker's `check_thresholds` as always. A block layer's (FP4 elements saturate and underflow at every step by
     design) fires once when its condition starts: when its kind was not breached on the last step that had block
-    diagnostics."""
+    diagnostics. The conditions in force are checkpointed (`state_dict`): a resumed run does not fire them again."""
     blk = {n for n, _ in quantized.block_layers(self.model)}
     if not blk: return self.tracker.check_thresholds(m, step, self.cfg)
     ovf_max = not quantized.quantized_layers(self.model)              # overflow/max is the block layers' alone
@@ -388,6 +388,7 @@ def state_dict(self: Trainer) -> dict:
                 nan=dict(streak=self.nan_streak, first_step=self.first_nan_step,
                          anomaly=str(self.anomaly_path) if self.anomaly_path else None),
                 last_train_loss=self.last_train_loss, last_val_loss=self.last_val_loss,
+                block_breached=sorted(getattr(self, "_block_breached", ())),   # block alert conditions in force (check_alerts)
                 **self._pending_state(), **self._rank_states(),
                 **({"init_step": self.init_step} if self.init_step is not None else {}))
 
@@ -422,6 +423,7 @@ def load_state_dict(self: Trainer, st: dict):
     self.anomaly_path = Path(st["nan"]["anomaly"]) if st["nan"].get("anomaly") else None
     self.last_train_loss, self.last_val_loss = st.get("last_train_loss"), st.get("last_val_loss")
     self.init_step = st.get("init_step", self.init_step)
+    self._block_breached = set(st.get("block_breached", ()))     # (absent in older checkpoints: none breached)
     ranks = st.get("pending_amax_ranks") if self.world > 1 else None   # (absent in older checkpoints: nothing pending)
     quantized.load_pending_amax(self.model, ranks[self.rank] if ranks is not None else st.get("pending_amax"))
 

@@ -158,3 +158,55 @@ def test_block_alerts_fire_when_a_condition_starts(small_data, tmp_path):
              6: {u: 0.2, o: 0.0}}
     for step, m in steps.items(): t.check_alerts(m, step)
     assert sent == [(1, "underflow"), (2, "overflow"), (6, "underflow")], sent
+
+
+def test_block_run_resumes_exactly_with_its_alert_state(small_data, tmp_path):
+    """mxfp4 with weights on the grid (stochastic landing), 4 steps straight vs 2 + resume + 2: the same model (weights,
+    residual, grid buffers), optimizer state, logged metrics and alerts. A block alert fires once when its condition
+    starts (`check_alerts`), so the conditions in force are checkpointed: a resumed run does not fire them again."""
+    import json
+    from altgrad.config import load_config
+    from altgrad.trainer import Trainer
+    from altgrad.runs import load_run
+    kw = dict(fmt="mxfp4", regime="kahan", data_dir=str(small_data), wandb_mode="disabled", eval_interval=2,
+              checkpoint_interval=2, shadow=False, max_steps=4)
+    straight = Trainer(load_config("smoke", out_dir=str(tmp_path / "a"), **kw), progress=False); straight.fit()
+    first = Trainer(load_config("smoke", out_dir=str(tmp_path / "b"), **kw), progress=False); first.fit(until=2)
+    resumed = Trainer(load_config("smoke", out_dir=str(tmp_path / "b"), resume=True, **kw), progress=False)
+    breached = getattr(resumed, "_block_breached", set())
+    resumed.fit()
+    assert resumed.step == 4
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys() and any(k.endswith(".residual") and v.numel() for k, v in a.items())
+    for k in a:
+        if torch.is_tensor(a[k]): assert torch.equal(a[k], b[k]), k
+    oa, ob = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert oa.keys() == ob.keys()
+    for i in oa:
+        for k in oa[i]: assert torch.equal(oa[i][k], ob[i][k]), (i, k)
+    skip = ("perf/", "time/", "sys/")
+    def logged(d):
+        return [{k: v for k, v in r.items() if not k.startswith(skip) and "time" not in k and "per_sec" not in k}
+                for r in load_run(d).metrics]
+    assert logged(tmp_path / "a") == logged(tmp_path / "b")
+    def alerts(d): return [(r["step"], r["kind"]) for r in map(json.loads, (d / "alerts.jsonl").read_text().splitlines())]
+    assert alerts(tmp_path / "a") and alerts(tmp_path / "a") == alerts(tmp_path / "b")
+    assert breached and breached == first._block_breached                     # mxfp4 breaches by design
+
+
+def test_madam_on_a_block_grid_is_continuous_madam_landed_per_block(small_data, tmp_path):
+    """Madam with weights on an NVFP4 grid (E2M1 elements: mantissa bits, so no integer-exponent form): the continuous
+    form steps, each block lands by the regime's landing and the weights stay on their block grid."""
+    from altgrad.config import load_config
+    from altgrad.trainer import Trainer
+    from altgrad.block_gemm import grid_block_layers
+    from altgrad.microscaling import quantize_blocks
+    cfg = load_config("smoke", fmt="nvfp4", regime="madam", max_steps=2, data_dir=str(small_data), shadow=False,
+                      out_dir=str(tmp_path), wandb_mode="disabled", eval_interval=2, checkpoint_interval=2)
+    t = Trainer(cfg, progress=False); w0 = {n: m.weight.detach().clone() for n, m in grid_block_layers(t.model)}
+    t.fit()
+    assert type(t.optimizer).__name__ == "Madam" and not t.optimizer.intended        # no integer-exponent groups
+    for name, m in grid_block_layers(t.model):
+        assert int(m.updates) == 2 and m.weight_update == "stochastic", name
+        assert torch.equal(quantize_blocks(m.weight, m.config.recipe, weight=True).values, m.weight.detach()), name
+    assert any(not torch.equal(w0[n], m.weight) for n, m in grid_block_layers(t.model))

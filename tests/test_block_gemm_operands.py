@@ -1,0 +1,139 @@
+"""Each GEMM of a `BlockLinear` reads the operands a GPU's MX/NVFP4 GEMM reads (issue 30, item 3): forward A and W
+blocked along K, input gradient G and W along N, weight gradient G and A along M, each quantized from high precision.
+The reference is built apart from altgrad's quantizer: torchao's `to_mx`/`to_dtype` and `nvfp4_quantize` (its eager
+CPU emulation) for 1-D blocks, and a hand-built quantizer from given block maxima (torchao's arithmetic, checked here
+against torchao on 1-D blocks) for 2-D weight tiles. Bit-exact: operands and the three GEMM outputs."""
+import warnings, logging
+from dataclasses import replace
+import pytest
+import torch
+
+pytest.importorskip("torchao")
+logging.getLogger("torchao").setLevel(logging.ERROR)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from torchao.prototype.mx_formats.mx_tensor import to_mx, to_dtype
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode as SCM
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+    from torchao.prototype.mx_formats.kernels import unpack_uint4, f4_unpacked_to_f32, f32_to_f4_unpacked
+from altgrad.microscaling import get_recipe
+from altgrad.block_gemm import BlockGemmConfig, BlockLinear, _BlockGemmFn, hadamard_matrix
+import altgrad.block_gemm as bg
+
+TORCHAO_ELEM = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2, "E2M3": "fp6_e2m3", "E3M2": "fp6_e3m2",
+                "E2M1": torch.float4_e2m1fn_x2}
+MX = ["mxfp8", "mxfp8_e5m2", "mxfp6", "mxfp6_e3m2", "mxfp4"]
+
+
+def _along(x, axis, fn):
+    "`fn` applied to `x` (2-D) with `axis` moved last, the result moved back."
+    return fn(x.contiguous()) if axis in (-1, 1) else fn(x.t().contiguous()).t()
+
+
+def _torchao_mx(x, r):
+    s, d = to_mx(x, TORCHAO_ELEM[r.elem], 32, getattr(SCM, r.scale_rounding.upper()))
+    return to_dtype(d, s, TORCHAO_ELEM[r.elem], 32, torch.float32)
+
+
+def _torchao_nvfp4(x, pts):
+    s, d = nvfp4_quantize(x, 16, pts)
+    e = f4_unpacked_to_f32(unpack_uint4(d.view(torch.uint8).contiguous())).reshape(x.shape[0], -1, 16)
+    hp = s.float() if pts is None else pts * s.float()                            # NVFP4Tensor.get_hp_scales
+    return (e * hp.reshape(x.shape[0], -1, 1)).reshape(x.shape)
+
+
+def _hand_nvfp4(x, amax, pts):
+    "NVFP4 of `x` (rows × K) with the given block maxima `amax` (rows × K/16): torchao's arithmetic, by hand."
+    x3, eps = x.reshape(x.shape[0], -1, 16), torch.finfo(torch.float8_e4m3fn).tiny
+    bs = amax / 6.0
+    if pts is not None: bs = bs / pts
+    s = bs.clamp(min=eps, max=448.0).to(torch.float8_e4m3fn).float()
+    xs = x3 * ((1.0 / s) if pts is None else (1.0 / pts) / s).unsqueeze(-1)
+    e = f4_unpacked_to_f32(f32_to_f4_unpacked(xs.clamp(-6.0, 6.0)))
+    return (e * (s if pts is None else pts * s).unsqueeze(-1)).reshape(x.shape)
+
+
+def _hand_mxfp8(x, amax):
+    "MXFP8 (E4M3, FLOOR) of `x` with the given block maxima: OCP's scale 2^(floor(log2 amax) - 8), by hand."
+    e = torch.frexp(amax)[1] - 1 - 8                                              # floor(log2 amax) - emax(E4M3)
+    s = torch.exp2(e.clamp(-127, 127).float()).clamp(min=2.0 ** -126)
+    x3 = x.reshape(x.shape[0], -1, 32)
+    q = (x3 / s.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return (q * s.unsqueeze(-1)).reshape(x.shape)
+
+
+def _tile_amax(x, t, b):
+    "Each t×b tile's max |x|, given to each of its rows (rows × K/b)."
+    a = x.abs().reshape(x.shape[0] // t, t, -1, b).amax(dim=(1, 3), keepdim=True)
+    return a.expand(-1, t, -1, 1).reshape(x.shape[0], -1)
+
+
+def reference(x, r, axis, weight=False):
+    "The dequantized operand a hardware GEMM reads: `x` block-quantized by recipe `r` along `axis`, apart from altgrad."
+    tiles = weight and r.weight_tiles
+    pts = per_tensor_amax_to_scale(x.abs().amax()) if r.tensor_scale else None
+    if r.scale == "UE4M3":
+        if tiles: return _along(x, axis, lambda v: _hand_nvfp4(v, _tile_amax(v, 16, 16), pts))
+        return _along(x, axis, lambda v: _torchao_nvfp4(v, pts))
+    if tiles:
+        assert r.elem == "E4M3" and r.scale_rounding == "floor"
+        return _along(x, axis, lambda v: _hand_mxfp8(v, _tile_amax(v, 32, 32)))
+    return _along(x, axis, lambda v: _torchao_mx(v, r))
+
+
+def _data(seed=0, M=64, K=96, N=128):
+    "A, W, G: Gaussian, rows and columns of A and G spread over binades (so blocks along M and along K/N differ)."
+    g = torch.Generator().manual_seed(seed)
+    def spread(r, c):
+        return 2.0 ** (torch.randint(-3, 4, (r, 1), generator=g) + torch.randint(-3, 4, (1, c), generator=g))
+    return (torch.randn(M, K, generator=g) * 3 * spread(M, K), torch.randn(N, K, generator=g) * 0.02,
+            torch.randn(M, N, generator=g) * 1e-3 * spread(M, N))
+
+
+def test_hand_built_quantizers_are_torchao_on_1d_blocks():
+    "The hand-built quantizers (used for 2-D tiles) give torchao's values on 1-D blocks, so the tile reference is fair."
+    x, w, g = _data(1)
+    for v in (x, w, g, w.t().contiguous()):
+        for pts in (None, per_tensor_amax_to_scale(v.abs().amax())):
+            amax = v.abs().reshape(v.shape[0], -1, 16).amax(-1)
+            assert torch.equal(_hand_nvfp4(v, amax, pts), _torchao_nvfp4(v, pts))
+        if v.shape[1] % 32 == 0:
+            amax = v.abs().reshape(v.shape[0], -1, 32).amax(-1)
+            assert torch.equal(_hand_mxfp8(v, amax), _torchao_mx(v, get_recipe("mxfp8")))
+
+
+CASES = ([(n, "1-D") for n in MX + ["nvfp4"]] + [("mxfp8", "rceil"), ("mxfp4", "rceil")]
+         + [("nvfp4", "tiles"), ("mxfp8", "tiles"), ("nvfp4", "tiles+hadamard")])
+
+
+@pytest.mark.parametrize("name,variant", CASES)
+def test_each_gemm_reads_its_own_operands(name, variant, monkeypatch):
+    """Forward (A, W along K), input gradient (G, W along N), weight gradient (G, A along M): each operand is the
+    independent reference, bit for bit, and so are Y, dX and dW."""
+    r = get_recipe(name)
+    if variant == "rceil": r = replace(r, scale_rounding="rceil")
+    if variant.startswith("tiles"): r = replace(r, weight_tiles=True)
+    lin = BlockLinear(96, 128, bias=False, config=BlockGemmConfig(r, hadamard=variant.endswith("hadamard"), seed=3))
+    seen, real = [], bg._operand
+    def spy(x, recipe, axis, rounding, gen, weight=False):                # every operand a GEMM multiplies
+        v = real(x, recipe, axis, rounding, gen, weight); seen.append((x, axis, weight, v)); return v
+    monkeypatch.setattr(bg, "_operand", spy)
+    x, w, gy = _data()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = _BlockGemmFn.apply(xr, wr, None, lin.config, lin.gen, lin.R); y.backward(gy)
+    H = hadamard_matrix(16, 3) if lin.config.hadamard else torch.eye(16)            # dW's operands rotated along M
+    def rot(t): return t if not lin.config.hadamard else (H @ t.reshape(-1, 16, t.shape[1])).reshape(t.shape)
+    want = {"A along K": (x, -1, False), "W along K": (w, -1, True), "G along N": (gy, -1, False),
+            "W along N": (w, 0, True), "G along M": (rot(gy), 0, False), "A along M": (rot(x), 0, False)}
+    assert len(seen) == 6
+    ops = {}
+    for (role, (t, axis, weight)), (xs, ax, wt, val) in zip(want.items(), seen):
+        assert torch.equal(xs, t) and ax == axis and bool(wt) == weight, role
+        ref = reference(t, r, axis, weight)
+        assert torch.equal(val, ref), (role, int((val != ref).sum()))   # (rceil: no block here where torchao's
+        #                                                                    log2 rounds down, 04d)
+        ops[role] = ref
+    assert torch.equal(y.detach(), ops["A along K"] @ ops["W along K"].t())
+    assert torch.equal(xr.grad, ops["G along N"] @ ops["W along N"])
+    assert torch.equal(wr.grad, ops["G along M"].t() @ ops["A along M"])
+    assert not (torch.equal(ops["G along M"], ops["G along N"]) and torch.equal(ops["A along M"], ops["A along K"]))
