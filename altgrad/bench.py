@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 from .formats import FORMAT_REGISTRY, get_format, quantize
 from .microscaling import RECIPES, get_recipe, quantize_blocks
+from .block_gemm import is_block_format
 from .pool import Job, run_pool, job_env, runs_on_cpu
 from .config import load_config, parse_overrides
 from .data import prepare_eurlex, shared_data_dir
@@ -183,8 +184,7 @@ DEVICE_TARGETS = {"cuda": {"": 1.5, "+shadow": 2.0}}   # on a GPU: the 8-bit ste
 
 def train_targets(fmt: str, device) -> dict:
     """The step-ratio goals of `fmt`'s variants on `device`: `TRAIN_TARGET` on the CPU, `DEVICE_TARGETS` elsewhere.
-    None for a block recipe: its goal (`block_goals`) is over the tensor-wise step of its element width, not plain."""
-    from altgrad.block_gemm import is_block_format
+    None (`{}`) for a block recipe: its goal (`block_goals`) is over the tensor-wise step of its element width."""
     if is_block_format(fmt): return {}
     return {fmt + k: v for k, v in DEVICE_TARGETS.get(str(device).split(":")[0], {"": TRAIN_TARGET}).items()}
 
@@ -234,7 +234,7 @@ def compile_goals(ratio: dict, fmt: str | None, target: float = TRAIN_TARGET) ->
     and the compiled 8-bit step within `target` (the device's goal for the 8-bit step) of the compiled plain one."""
     r = ratio["plain+compiled"]
     out = {"plain+compiled_over_plain": dict(ratio=r, target="< 1", met=r < 1)}
-    if fmt:
+    if fmt and not is_block_format(fmt):                # a block recipe's goal is `block_goals`, not this one
         r = ratio[f"{fmt}+compiled"] / ratio["plain+compiled"]
         out[f"{fmt}+compiled_over_plain+compiled"] = dict(ratio=r, target=target, met=r <= target)
     return out

@@ -290,15 +290,19 @@ def _check_block_combinations(cfg) -> list[str]:
     blocks = [f for f in dict.fromkeys([cfg.fmt, cfg.fmt_backward, *rows]) if f is not None and is_block_format(f)]
     if not blocks: return []
     out, names, spec = [], ", ".join(map(str, blocks)), cfg.regime.optimizer_spec
+    keys = [k for k, v in (("fmt", cfg.fmt), ("fmt_backward", cfg.fmt_backward)) if v in blocks] + \
+           (["layer_formats"] if any(f in blocks for f in rows) else [])
     if cfg.interventions:
-        out.append(f"interventions=true with block recipe {names}: interventions (G clipping, exponent shifts between "
-                   "registered 8-bit formats) act on tensor-wise layers only and would leave the block layers "
-                   "untouched; set interventions=false, or use a tensor-wise format (fmt=E4M3, E5M2, ...)")
+        out.append(f"interventions=true with block recipe {names} (in {', '.join(keys)}): interventions (G clipping, "
+                   "exponent shifts between registered 8-bit formats) act on tensor-wise layers only and would leave "
+                   f"the block layers untouched; set interventions=false, or a tensor-wise format in {', '.join(keys)}")
     own = [f for f in blocks if get_format(get_gemm_config(f).recipe.elem).man_bits == 0]
     if spec.lands_own and cfg.master_weights == "format" and own:
-        out.append(f"optimizer={cfg.optimizer!r} with weights on the block grid of {', '.join(own)} (exponent-only "
-                   f"elements): {spec.lands_own} lands tensor-wise grids only; use a tensor-wise exponent-only format "
-                   "(fmt=E7M0), or master_weights=fp32, or another optimizer (adamw, lion)")
+        fit = [n for n, r in UPDATE_REGIMES.items() if r.master_weights == "format" and not r.optimizer_spec.lands_own]
+        out.append(f"regime={cfg.regime.name!r} (optimizer {cfg.optimizer!r}) with weights on the block grid of "
+                   f"{', '.join(own)} (exponent-only elements): {spec.lands_own} lands tensor-wise grids only; use a "
+                   f"tensor-wise exponent-only format (fmt=E7M0), or master_weights=fp32, or a regime whose optimizer "
+                   f"does not land its own weights ({', '.join(fit)})")
     return out
 
 # %% ../nbs/05_config.ipynb #3f9f790d

@@ -24,15 +24,15 @@ from .sweep import portable, resolve_preset
 
 # %% auto #0
 __all__ = ['DISTINCT_FORMATS', 'DEFAULT_SEEDS', 'STUDY_REGIMES', 'CONTROL', 'UPPER', 'REF_PRECISIONS', 'REQUIRED_EXPECTATIONS',
-           'STUDY_KEYS', 'STUDY_DEFAULTS', 'INPUTS_FILE', 'RETIRED_DESIGN_COMMIT', 'DECISIVE_REGIMES',
+           'STUDY_KEYS', 'STUDY_DEFAULTS', 'PLAN_RENAMED', 'INPUTS_FILE', 'RETIRED_DESIGN_COMMIT', 'DECISIVE_REGIMES',
            'ANALYSIS_SETTINGS', 'TUNING_SEEDS', 'HELDOUT_SEEDS', 'CHOICE_RULE', 'RUN_OVERHEAD_SECONDS', 'mult_label',
-           'parse_mults', 'lr_scale_for', 'distinct_formats', 'normalize_regimes', 'StudyPlan', 'study_defaults',
-           'make_plan', 'RunSpec', 'reference_spec', 'format_spec', 'parse_shard', 'run_dir', 'spec_config',
-           'resumable', 'finalize_run', 'train_spec', 'claim_run', 'execute', 'collect_runs', 'json_safe', 'join_names',
-           'model_inputs', 'vocab_inputs', 'Protocol', 'make_protocol', 'decisive_plan', 'tuning_specs',
-           'choose_bracketed', 'bracket_grid', 'bracket_grids', 'decisive_lr_specs', 'decisive_seed_specs',
-           'decisive_choice', 'name_shard', 'check_inputs', 'write_decisive_inputs', 'decisive_command',
-           'decisive_estimate', 'estimate_text', 'measure_step_seconds', 'parse_step_seconds']
+           'parse_mults', 'lr_scale_for', 'distinct_formats', 'normalize_regimes', 'plan_keys', 'StudyPlan',
+           'study_defaults', 'make_plan', 'RunSpec', 'reference_spec', 'format_spec', 'parse_shard', 'run_dir',
+           'spec_config', 'resumable', 'finalize_run', 'train_spec', 'claim_run', 'execute', 'collect_runs',
+           'json_safe', 'join_names', 'model_inputs', 'vocab_inputs', 'Protocol', 'make_protocol', 'decisive_plan',
+           'tuning_specs', 'choose_bracketed', 'bracket_grid', 'bracket_grids', 'decisive_lr_specs',
+           'decisive_seed_specs', 'decisive_choice', 'name_shard', 'check_inputs', 'write_decisive_inputs',
+           'decisive_command', 'decisive_estimate', 'estimate_text', 'measure_step_seconds', 'parse_step_seconds']
 
 # %% ../nbs/32_study.ipynb #32a00005
 DISTINCT_FORMATS = ("E0M7", "E2M5", "E3M4", "E4M3", "E5M2", "E6M1", "E7M0")
@@ -107,6 +107,12 @@ def normalize_regimes(regimes=None) -> list[str]:
     return [r for r in order if r in want]
 
 # %% ../nbs/32_study.ipynb #32a00007
+PLAN_RENAMED = {"rules": "regimes"}       # plan keys of study inputs written before the regimes had that name
+
+def plan_keys(d: dict) -> dict:
+    "A stored plan (`study_inputs.json`) with its keys under their current names (`PLAN_RENAMED`)."
+    return {PLAN_RENAMED.get(k, k): v for k, v in d.items()}
+
 @dataclass
 class StudyPlan:
     "Everything that fixes the study's runs (not where they are written)."
@@ -124,8 +130,7 @@ class StudyPlan:
     def to_dict(self) -> dict: return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> StudyPlan:         # inputs written before the regimes had that name say `rules`
-        return cls(**{("regimes" if k == "rules" else k): v for k, v in d.items()})
+    def from_dict(cls, d: dict) -> StudyPlan: return cls(**plan_keys(d))
 
 # %% ../nbs/32_study.ipynb #a75fb823
 def study_defaults(preset: str) -> dict:
@@ -535,6 +540,7 @@ def check_inputs(out, inputs: dict) -> None:
     if not p.exists(): return
     try: old = json.loads(p.read_text())
     except ValueError: return
+    if isinstance(old.get("plan"), dict): old["plan"] = plan_keys(old["plan"])   # written before a key was renamed
     for k in ("protocol", "plan"):
         if k in old and json_safe(old[k]) != json_safe(inputs[k]):
             diff = [f"{q}: {old[k].get(q)!r} there, {inputs[k].get(q)!r} here" for q in inputs[k]

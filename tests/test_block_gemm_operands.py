@@ -1,4 +1,4 @@
-"""Each GEMM of a `BlockLinear` reads the operands a GPU's MX/NVFP4 GEMM reads (issue 30, item 3): forward A and W
+"""Each GEMM of a `BlockLinear` reads the operands a GPU's MX/NVFP4 GEMM reads: forward A and W
 blocked along K, input gradient G and W along N, weight gradient G and A along M, each quantized from high precision.
 The reference is built apart from altgrad's quantizer: torchao's `to_mx`/`to_dtype` and `nvfp4_quantize` (its eager
 CPU emulation) for 1-D blocks, and a hand-built quantizer from given block maxima (torchao's arithmetic, checked here

@@ -161,7 +161,8 @@ def test_block_alerts_fire_when_a_condition_starts(small_data, tmp_path):
 
 
 def test_block_run_resumes_exactly_with_its_alert_state(small_data, tmp_path):
-    """mxfp4 with weights on the grid (stochastic landing), 4 steps straight vs 2 + resume + 2: the same model (weights,
+    """mxfp4 with weights on the grid (Kahan landing, so a residual is carried), 4 steps straight vs 2 + resume + 2:
+    the same model (weights,
     residual, grid buffers), optimizer state, logged metrics and alerts. A block alert fires once when its condition
     starts (`check_alerts`), so the conditions in force are checkpointed: a resumed run does not fire them again."""
     import json

@@ -338,10 +338,10 @@ def test_quantized_linear_bf16_autocast():
 
 
 # ---------------------------------------------------------------- 4. landings
-@pytest.mark.parametrize("regime", list(LANDINGS))
-def test_landing(regime):
-    "w + u landed by `regime` over 3 steps (per-tensor and per-row scales, compiled and eager): weights, residuals, regrid."
-    landing = LANDINGS[regime]
+@pytest.mark.parametrize("name", list(LANDINGS))
+def test_landing(name):
+    "w + u landed by landing `name` over 3 steps (per-tensor and per-row scales, compiled and eager): weights, residuals, regrid."
+    landing = LANDINGS[name]
     figs = dict(checks=0)
     for fmt in FORMAT_REGISTRY.values():
         for per_row in (False, True):
@@ -359,12 +359,12 @@ def test_landing(regime):
                         cr = torch.randn(w0.shape, generator=g) * 1e-3 * w0.abs().mean(); cd = cr.to(DEV)
                     gr, gd = gens(400 + step)
                     with compile_mode("never"):
-                        sr = regrid_scale(amax_of(wr + u, gran), sr, fmt, landing=regime)
-                        wr, cr = land(wr, u, fmt, expand_scale(sr, wr, gran), regime, cr, gr)
+                        sr = regrid_scale(amax_of(wr + u, gran), sr, fmt, landing=name)
+                        wr, cr = land(wr, u, fmt, expand_scale(sr, wr, gran), name, cr, gr)
                     with compile_mode(mode):
-                        sd = regrid_scale(amax_of(wd + u.to(DEV), gran), sd, fmt, landing=regime)
-                        wd, cd = land(wd, u.to(DEV), fmt, expand_scale(sd, wd, gran), regime, cd, gd)
-                    tag = f"{regime} {fmt.name} {gran} {mode} step {step}"
+                        sd = regrid_scale(amax_of(wd + u.to(DEV), gran), sd, fmt, landing=name)
+                        wd, cd = land(wd, u.to(DEV), fmt, expand_scale(sd, wd, gran), name, cd, gd)
+                    tag = f"{name} {fmt.name} {gran} {mode} step {step}"
                     same_bits(f"regrid {tag}", sd, sr); same_bits(f"w {tag}", wd, wr)
                     assert (cd is None) == (cr is None) == (not landing.residual)
                     if cr is not None:
@@ -374,7 +374,7 @@ def test_landing(regime):
                             with compile_mode(mode): r_dev = store_residual(cd, dt, fmt)
                             same_bits(f"store_residual {dt} {tag}", r_dev, r_ref)
                     figs["checks"] += 1
-    report(f"landing_rule[{regime}]", **figs)
+    report(f"landing[{name}]", **figs)
 
 
 # ---------------------------------------------------------------- 5. device auto-detection
