@@ -300,6 +300,7 @@ def _block_counts(x: torch.Tensor, b, r: BlockRecipe, weight: bool):
     mx = get_format(r.elem).max_value
     if not _want_compiled(xv, None): return _diag_counts(xv, v, q, mx)
     dev = str(xv.device)
+    for t in (xv, v, q): torch._dynamo.mark_static(t, 1); torch._dynamo.mark_static(t, 3)   # as `_view_kernel`
     if dev not in _compiled_counts: _compiled_counts[dev] = compile_kernel(_diag_counts)
     try: return _compiled_counts[dev](xv, v, q, torch.tensor(mx, device=xv.device))
     except Exception as e:
