@@ -224,13 +224,16 @@ def _block_kernel(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
 # %% ../nbs/04d_microscaling.ipynb #ff34016d
 def _view_kernel(xv: torch.Tensor, r: BlockRecipe, rounding: str, compiled: bool | None):
     """(kernel, its constants) for `xv`: the compiled `_block_kernel` of recipe `r` where `formats` would compile
-    (`compiled=True`, or `ALTGRAD_COMPILE` auto and at least `COMPILE_MIN_NUMEL` elements), else the eager one."""
+    (`compiled=True`, or `ALTGRAD_COMPILE` auto and at least `COMPILE_MIN_NUMEL` elements), else the eager one. The
+    block's two sizes are marked static (a graph per tile/block size, the rest dynamic), as indexing the block amax by a
+    symbolic block size costs integer division per element."""
     if not _want_compiled(xv, compiled): return _block_kernel, _block_args(r, xv.device)
     key = (r.scale, r.scale_rounding, r.tensor_scale, str(xv.device), rounding)   # what shapes the graph
     if key not in _compiled_view:              # a copy of the code per key: its own Dynamo cache and recompile limit
         code = _block_kernel.__code__.replace(co_name=f"_block_kernel_{len(_compiled_view)}")
         fn = types.FunctionType(code, _block_kernel.__globals__, code.co_name, _block_kernel.__defaults__)
         _compiled_view[key] = compile_kernel(fn)
+    for d in (1, 3): torch._dynamo.mark_static(xv, d)   # tile and block sizes static: no symbolic index per element
     return _compiled_view[key], _block_args(r, xv.device, tensors=True)
 
 # %% ../nbs/04d_microscaling.ipynb #d83ca67f
