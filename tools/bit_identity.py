@@ -80,7 +80,9 @@ def run(out: Path, data: Path, steps: int, only: list | None = None, stage: str 
     "Every regime x format; `stage` 'half' / 'rest' (with `ckpt`, a folder): checkpoint at steps/2, then resume it."
     import torch
     torch.set_num_threads(1)
-    from altgrad.regimes import UPDATE_REGIMES, get_regime
+    try: from altgrad.regimes import UPDATE_REGIMES, get_regime
+    except ImportError:                  # a tree from before the update regime had that name (a reference commit)
+        from altgrad.regimes import UPDATE_RULES as UPDATE_REGIMES, get_rule as get_regime
     import altgrad.config as C
     named = stage == "whole" and "regime" in {f.name for f in __import__("dataclasses").fields(C.TrainConfig)}
     res = {}
