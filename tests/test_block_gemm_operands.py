@@ -137,3 +137,82 @@ def test_each_gemm_reads_its_own_operands(name, variant, monkeypatch):
     assert torch.equal(xr.grad, ops["G along N"] @ ops["W along N"])
     assert torch.equal(wr.grad, ops["G along M"].t() @ ops["A along M"])
     assert not (torch.equal(ops["G along M"], ops["G along N"]) and torch.equal(ops["A along M"], ops["A along K"]))
+
+
+# --- stochastic rounding of G: the grid points it may land on, and no bias -------------------------------------------
+
+def _elem_grid(elem: str) -> torch.Tensor:
+    "Every finite value of the element format, sorted, from torchao's / torch's own codecs."
+    if elem == "E2M1": v = f4_unpacked_to_f32(torch.arange(16, dtype=torch.uint8))
+    else: v = torch.arange(256, dtype=torch.uint8).view(TORCHAO_ELEM[elem]).float()
+    return v[v.isfinite()].unique()
+
+
+def _bracket_rows(v, r):
+    """`v` (rows × K) in 1-D blocks along K: the block scale `hp` as torchao computes it (the scale does not depend on
+    how elements round), the scaled elements `xs` (saturated), and the two element-grid points around each."""
+    if r.scale == "UE4M3":
+        pts = per_tensor_amax_to_scale(v.abs().amax()) if r.tensor_scale else None
+        s, _ = nvfp4_quantize(v, 16, pts)
+        s = s.float().reshape(v.shape[0], -1, 1)
+        hp, xs = (s, v.reshape(v.shape[0], -1, 16) / s) if pts is None else \
+                 (pts * s, v.reshape(v.shape[0], -1, 16) * ((1.0 / pts) / s))
+    else:
+        sc, _ = to_mx(v, TORCHAO_ELEM[r.elem], 32, getattr(SCM, r.scale_rounding.upper()))
+        hp = torch.exp2(sc.view(torch.uint8).float() - 127).reshape(v.shape[0], -1, 1)
+        xs = v.reshape(v.shape[0], -1, 32) / hp
+    grid = _elem_grid(r.elem)
+    xs = xs.clamp(-grid.max(), grid.max())
+    lo = grid[torch.searchsorted(grid, xs.contiguous(), right=True) - 1]
+    hi = grid[torch.searchsorted(grid, xs.contiguous(), right=False)]
+    return hp, xs, lo, hi
+
+
+def _bracket(x, r, axis):
+    "(value if rounded down, value if rounded up, the unrounded value, the step) of each element, in `x`'s shape."
+    def cols(v):
+        hp, xs, lo, hi = _bracket_rows(v, r)
+        return torch.stack([(lo * hp).reshape(v.shape), (hi * hp).reshape(v.shape), (xs * hp).reshape(v.shape),
+                            ((hi - lo) * hp).reshape(v.shape)])
+    return cols(x.contiguous()) if axis in (-1, 1) else cols(x.t().contiguous()).transpose(1, 2)
+
+
+def _bias_violations(draws, target, lo, step, delta=1e-6):
+    """Elements whose mean over `draws` strays from `target` by more than Hoeffding's bound at level `delta` (Bonferroni
+    over elements), in units of the element's step, and the aggregate z of the mean deviation (independent elements)."""
+    live = step > 0
+    d = ((draws.mean(0) - target) / torch.where(live, step, 1.0))[live].double()
+    n, k = draws.shape[0], int(live.sum())
+    bound = (torch.log(torch.tensor(2 * k / delta)) / (2 * n)).sqrt().item()
+    p = ((target - lo) / torch.where(live, step, 1.0))[live].double().clamp(0, 1)   # P(round up)
+    z = d.sum() / (p * (1 - p) / n).sum().sqrt()
+    return int((d.abs() > bound).sum()), float(z)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp8"])
+def test_stochastic_g_lands_on_a_neighbour_and_is_unbiased(name, monkeypatch):
+    """With `rounding_g='stochastic'` (the NVFP4 recipe's choice) both GEMMs that read G get, per element, one of the two
+    grid points around it, on the block scale torchao computes, while A and W keep nearest; over 400 draws the mean is
+    the unrounded value (Hoeffding per element, z overall). Round-to-nearest fails the bias check (the test can fail)."""
+    r = get_recipe(name)
+    lin = BlockLinear(96, 128, bias=False, config=BlockGemmConfig(r, rounding_g="stochastic", seed=5))
+    seen, real = [], bg._operand
+    def spy(x, recipe, axis, rounding, gen, weight=False):
+        v = real(x, recipe, axis, rounding, gen, weight); seen.append((x, axis, rounding, v)); return v
+    monkeypatch.setattr(bg, "_operand", spy)
+    x, w, gy = _data(2)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    _BlockGemmFn.apply(xr, wr, None, lin.config, lin.gen, lin.R).backward(gy)
+    assert [s[2] for s in seen] == ["nearest", "nearest", "stochastic", "nearest", "stochastic", "nearest"]
+    monkeypatch.setattr(bg, "_operand", real)
+    for t, axis, _, val in (seen[2], seen[4]):                                    # G along N, G along M
+        lo, hi, exact, step = _bracket(t, r, axis)
+        assert torch.equal(reference(t, r, axis), torch.where((reference(t, r, axis) == lo), lo, hi))   # nearest ∈ {lo, hi}
+        assert bool(((val == lo) | (val == hi)).all()), int(((val != lo) & (val != hi)).sum())
+        assert 0.05 < float(((val == hi) & (step > 0)).sum() / (step > 0).sum()) < 0.95   # both neighbours are used
+        gen = torch.Generator().manual_seed(11)
+        draws = torch.stack([real(t, r, axis, "stochastic", gen) for _ in range(400)])
+        bad, z = _bias_violations(draws, exact, lo, step)
+        assert bad == 0 and abs(z) < 5, (bad, z)
+        near = reference(t, r, axis).expand(400, *t.shape)
+        assert _bias_violations(near, exact, lo, step)[0] > 0.1 * int((step > 0).sum())   # nearest is biased per element
