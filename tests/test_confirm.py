@@ -2,6 +2,7 @@
 import json, math, os, shutil
 from pathlib import Path
 import pytest
+from altgrad.sweep import check_run
 import torch
 
 from altgrad.config import load_config
@@ -72,9 +73,17 @@ def test_tiny_study_workers_and_table(tmp_path, small_data, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out, data = Path("study"), str(small_data)
     said = train_tiny(out, data)
+    import altgrad.confirm as C
+    checks = []
+    monkeypatch.setattr(C, "check_run", lambda d, cfg: checks.append(d) or check_run(d, cfg))
     specs, done = todo(TINY, out, data, ("tuning", "heldout"))
     n = 3 * 2 * (1 + 4)                                        # units x formats x (trunk + 4 regimes at x1)
     assert specs == [] and len(done) == n, (specs, sorted(done))
+    assert len(set(checks)) == n and todo(TINY, out, data, ("tuning", "heldout")) == (specs, done)
+    assert len(set(checks)) == n and len(checks) == n, len(checks)     # asked again: each folder was checked once
+    s = out / "runs" / sorted(done)[0] / "summary.json"
+    s.write_text(s.read_text() + " ")                         # a folder that changes is checked again
+    assert todo(TINY, out, data, ("tuning", "heldout")) == (specs, done) and len(checks) == n + 1
     assert len(said) == n, said                               # every run trained once, by one of the two workers
     assert collect(out) == dict(runs=n, folded=n)
     table, steps = read_table(out), read_steps(out)
