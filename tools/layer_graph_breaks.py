@@ -8,11 +8,17 @@ or move outside the compiled region behind a documented boundary)."""
 import argparse, json, time
 import torch
 from altgrad.quantized import QuantizedLinear
+from altgrad.formats import ALL_FORMATS, FP8Format
 
 
-def census(fmt: str = "E4M3", rounding: str = "nearest") -> dict:
-    "Graphs, breaks and the distinct break sites of one training forward of a lifted `QuantizedLinear`."
-    fwd = QuantizedLinear.forward
+def census(fmt: str = "E4M3", rounding: str = "nearest", past_constants: bool = False) -> dict:
+    """Graphs, breaks and the distinct break sites of one training forward of a lifted `QuantizedLinear`.
+    `past_constants`: first make the formats' constants plain Python floats (in this process only), to see the breaks
+    that the first layer hides."""
+    fwd, mv = QuantizedLinear.forward, FP8Format.max_value
+    if past_constants:
+        maxes = {id(f): float(f.values[-1]) for f in ALL_FORMATS.values()}   # fills the cached_property: no lock later
+        FP8Format.max_value = property(lambda self: maxes[id(self)] if id(self) in maxes else mv.fget(self))
     QuantizedLinear.forward = getattr(fwd, "__wrapped__", fwd)       # the undecorated forward
     try:
         m = QuantizedLinear(48, 40, fmt=fmt, fmt_backward="E5M2", rounding=rounding, quantize_grads=True)
@@ -25,10 +31,10 @@ def census(fmt: str = "E4M3", rounding: str = "nearest") -> dict:
             s = sites.setdefault(key, dict(reason=str(b.reason).splitlines()[0][:160],
                                            line=(fr.line or "").strip() if fr else "", count=0))
             s["count"] += 1
-        return dict(fmt=fmt, rounding=rounding, graphs=ex.graph_count, breaks=ex.graph_break_count,
+        return dict(fmt=fmt, rounding=rounding, past_constants=past_constants, graphs=ex.graph_count, breaks=ex.graph_break_count,
                     seconds=round(time.perf_counter() - t, 1), sites=sites)
     finally:
-        QuantizedLinear.forward = fwd
+        QuantizedLinear.forward, FP8Format.max_value = fwd, mv
 
 
 if __name__ == "__main__":
@@ -36,8 +42,9 @@ if __name__ == "__main__":
     ap.add_argument("--fmt", default="E4M3")
     ap.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic"))
     ap.add_argument("--json", help="also write the census to this file")
+    ap.add_argument("--past-constants", action="store_true", help="formats' constants as Python floats first")
     a = ap.parse_args()
-    out = census(a.fmt, a.rounding)
+    out = census(a.fmt, a.rounding, a.past_constants)
     print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w") as f: f.write(json.dumps(out, indent=1) + "\n")
