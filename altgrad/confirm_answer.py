@@ -262,6 +262,10 @@ def _f(v, spec=".3f") -> str:
     return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
 def _p(v) -> str: return "—" if v is None else (f"{v:.2g}" if v >= 0.001 else f"{v:.1e}")
 def _yes(b) -> str: return "holds" if b else "does not hold"
+def _perm_p(s: dict) -> str:
+    "A permutation p; '≤' when no random order reached the statistic (the floor, 1/(orders+1))."
+    floor = s["orders"] != "all" and s["p"] <= 1 / (s["orders"] + 1) + 1e-15
+    return ("≤ " if floor else "= ") + _p(s["p"])
 
 # %% ../nbs/39_confirm_answer.ipynb #5beaca09-first-paragraph
 def first_paragraph(A: dict) -> str:
@@ -274,8 +278,8 @@ def first_paragraph(A: dict) -> str:
             f"{_f(c['hi'])}), {'resolved' if hd['resolved'] else 'not resolved'} against the runner-up {f2} + {r2} "
             f"(difference {_f(hd['diff']['mean'])}, Holm p = {_p(hd['p_holm'])}); as the largest of {len(A['cells'])} "
             f"cells its mean is biased upward.** "
-            f"H1 (one law) {_yes(h1['holds'])}: Spearman ρ = {_f(h1['spearman']['rho'], '.2f')} (one-sided p = "
-            f"{_p(h1['spearman']['p'])}), isotonic R² = {_f(h1['r2'], '.2f')}, leave-one-format-out R² = "
+            f"H1 (one law) {_yes(h1['holds'])}: Spearman ρ = {_f(h1['spearman']['rho'], '.2f')} (one-sided p "
+            f"{_perm_p(h1['spearman'])}), isotonic R² = {_f(h1['r2'], '.2f')}, leave-one-format-out R² = "
             f"{_f(h1['r2_lofo'], '.2f')} (pre-registered threshold 0.5). H2 (the ranking) holds in "
             f"{sum(v['holds'] for v in A['h2']['regimes'].values())} of {len(A['h2']['regimes'])} regimes: {h2}. "
             f"H3 (E7M0 > E6M1 under stochastic rounding) {_yes(h3['holds'])}: {_f(h3['mean'])} nats "
@@ -309,7 +313,7 @@ def hypotheses_lines(A: dict) -> list:
     h1, h3, h4 = A["h1"], A["h3"], A["h4"]
     sec = A["h1_secondary"]; ke = sec["kahan_eco_at_choice"]
     L = [f"- **H1** {_yes(h1['holds'])}: {len(h1['points'])} points (stochastic rounding × multipliers × formats); "
-         f"Spearman ρ = {_f(h1['spearman']['rho'], '.3f')}, one-sided p = {_p(h1['spearman']['p'])} (20,000 random "
+         f"Spearman ρ = {_f(h1['spearman']['rho'], '.3f')}, one-sided p {_perm_p(h1['spearman'])} (20,000 random "
          f"orders); isotonic R² = {_f(h1['r2'])}, LOFO R² = {_f(h1['r2_lofo'])} (one law: ≥ 0.5).",
          f"  - Descriptive, as registered: with nearest's predicted stall as x, ρ = "
          f"{_f(sec['pred_stall']['spearman']['rho'], '.3f')}, LOFO R² = {_f(sec['pred_stall']['r2_lofo'])}; Kahan and "
