@@ -153,7 +153,7 @@ def _folder_endpoint(s, d: Path, cfg):
     """`endpoint` of the finished run of `cfg` in folder `d`, or None: `check_run` (a YAML parse, ~0.05 s) once per
     folder state, remembered while `config.yaml` and `summary.json` keep their size and mtime (a worker asks for every
     run before each claim: ~700 parses cost 30 s a run)."""
-    key = (s.name, *((p.stat().st_size, p.stat().st_mtime_ns) if p.exists() else None
+    key = (s.name, str(d), repr(cfg), *((p.stat().st_size, p.stat().st_mtime_ns) if p.exists() else None
                      for p in (d / "config.yaml", d / "summary.json")))
     if key not in _FOLDER_MEMO:
         run = check_run(d, cfg)[0]

@@ -185,8 +185,9 @@ def _bias_violations(draws, target, lo, step, delta=1e-6):
     n, k = draws.shape[0], int(live.sum())
     bound = (torch.log(torch.tensor(2 * k / delta)) / (2 * n)).sqrt().item()
     p = ((target - lo) / torch.where(live, step, 1.0))[live].double().clamp(0, 1)   # P(round up)
-    z = d.sum() / (p * (1 - p) / n).sum().sqrt()
-    return int((d.abs() > bound).sum()), float(z)
+    se = (p * (1 - p) / n).sum().sqrt()
+    sign = torch.sign(target)[live].double()                 # a bias toward (or away from) zero does not cancel here
+    return int((d.abs() > bound).sum()), float(d.sum() / se), float((d * sign).sum() / se)
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp8"])
@@ -205,6 +206,7 @@ def test_stochastic_g_lands_on_a_neighbour_and_is_unbiased(name, monkeypatch):
     _BlockGemmFn.apply(xr, wr, None, lin.config, lin.gen, lin.R).backward(gy)
     assert [s[2] for s in seen] == ["nearest", "nearest", "stochastic", "nearest", "stochastic", "nearest"]
     monkeypatch.setattr(bg, "_operand", real)
+    assert torch.equal(seen[2][0], gy) and torch.equal(seen[4][0], gy) and (seen[2][1], seen[4][1]) == (-1, 0)
     for t, axis, _, val in (seen[2], seen[4]):                                    # G along N, G along M
         lo, hi, exact, step = _bracket(t, r, axis)
         assert torch.equal(reference(t, r, axis), torch.where((reference(t, r, axis) == lo), lo, hi))   # nearest ∈ {lo, hi}
@@ -212,7 +214,10 @@ def test_stochastic_g_lands_on_a_neighbour_and_is_unbiased(name, monkeypatch):
         assert 0.05 < float(((val == hi) & (step > 0)).sum() / (step > 0).sum()) < 0.95   # both neighbours are used
         gen = torch.Generator().manual_seed(11)
         draws = torch.stack([real(t, r, axis, "stochastic", gen) for _ in range(400)])
-        bad, z = _bias_violations(draws, exact, lo, step)
-        assert bad == 0 and abs(z) < 5, (bad, z)
+        bad, z, zs = _bias_violations(draws, exact, lo, step)
+        assert bad == 0 and abs(z) < 5 and abs(zs) < 5, (bad, z, zs)
+        toward0 = torch.where(torch.rand(draws.shape, generator=gen) < 0.03, torch.where(exact.abs() > 0,   # 3% of the
+                  torch.where(exact > 0, lo, hi), draws), draws)                # draws rounded toward zero: caught
+        assert abs(_bias_violations(toward0, exact, lo, step)[2]) > 5
         near = reference(t, r, axis).expand(400, *t.shape)
         assert _bias_violations(near, exact, lo, step)[0] > 0.1 * int((step > 0).sum())   # nearest is biased per element
