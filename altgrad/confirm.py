@@ -143,18 +143,23 @@ def finished_runs(design: Design, out, data_dir, specs: list) -> dict:
         cfg, row = spec_config(design, s, out, data_dir), table.get(s.name)
         if row is not None and run_status(row["summary"]) in DONE and not config_diff(row["config"], cfg):
             done[s.name] = endpoint(row["summary"])
-        elif (run_dir(out, s) / "summary.json").exists() and (v := _folder_endpoint(s, run_dir(out, s), cfg)) is not None:
+        elif (run_dir(out, s) / "summary.json").exists() and (v := _folder_endpoint(run_dir(out, s), cfg)) is not None:
             done[s.name] = v
     return done
 
 _FOLDER_MEMO: dict = {}
 
-def _folder_endpoint(s, d: Path, cfg):
+def _stamp(p: Path):
+    "A file's (size, mtime), or None while it does not exist."
+    try: st = p.stat()
+    except FileNotFoundError: return None
+    return st.st_size, st.st_mtime_ns
+
+def _folder_endpoint(d: Path, cfg):
     """`endpoint` of the finished run of `cfg` in folder `d`, or None: `check_run` (a YAML parse, ~0.05 s) once per
     folder state, remembered while `config.yaml` and `summary.json` keep their size and mtime (a worker asks for every
     run before each claim: ~700 parses cost 30 s a run)."""
-    key = (s.name, str(d), repr(cfg), *((p.stat().st_size, p.stat().st_mtime_ns) if p.exists() else None
-                     for p in (d / "config.yaml", d / "summary.json")))
+    key = (str(d), repr(cfg), _stamp(d / "config.yaml"), _stamp(d / "summary.json"))
     if key not in _FOLDER_MEMO:
         run = check_run(d, cfg)[0]
         _FOLDER_MEMO[key] = None if run is None else endpoint(run.summary)

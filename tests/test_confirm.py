@@ -2,7 +2,6 @@
 import json, math, os, shutil
 from pathlib import Path
 import pytest
-from altgrad.sweep import check_run
 import torch
 
 from altgrad.config import load_config
@@ -74,6 +73,7 @@ def test_tiny_study_workers_and_table(tmp_path, small_data, monkeypatch):
     out, data = Path("study"), str(small_data)
     said = train_tiny(out, data)
     import altgrad.confirm as C
+    from altgrad.sweep import check_run
     checks = []
     monkeypatch.setattr(C, "check_run", lambda d, cfg: checks.append(d) or check_run(d, cfg))
     specs, done = todo(TINY, out, data, ("tuning", "heldout"))

@@ -1,5 +1,5 @@
 """Why the 8-bit layer does not compile yet: lift `QuantizedLinear.forward`'s `@torch.compiler.disable` (in this
-process only) and list where dynamo breaks the graph of one training forward, by source line (issue 29, item 2).
+process only) and list where dynamo breaks the graph of one training forward, by source line.
 
     python tools/layer_graph_breaks.py [--fmt E4M3] [--rounding nearest|stochastic] [--json OUT]
 
