@@ -66,6 +66,26 @@ def table(rows, smoke: bool) -> list[str]:
     return L
 
 
+def figure(runs_used, path, window: int = 25):
+    "Training loss (moving mean over `window` steps) of every run, one panel per weight storage; validation loss marked."
+    import matplotlib; matplotlib.use("Agg")
+    import matplotlib.pyplot as plt, numpy as np
+    panels = list(dict.fromkeys(w for _, w, _ in runs_used))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), sharey=True, squeeze=False)
+    colors = dict(reference="black", E4M3="tab:gray", E2M1="tab:brown", mxfp8="tab:blue", mxfp6="tab:green",
+                  mxfp4="tab:orange", nvfp4="tab:red")
+    for ax, panel in zip(axes[0], panels):
+        for name, w, run in runs_used:
+            if w != panel and name != "reference": continue
+            x, y = run.series("train/loss"); k = np.ones(window) / window
+            ax.plot(x[window - 1:], np.convolve(y, k, "valid"), color=colors.get(name), lw=1.2, label=name)
+            vx, vy = run.series("val/loss"); ax.plot(vx, vy, "o", color=colors.get(name), ms=3)
+        ax.set_title(panel if panel == "FP32 master" else f"weights on the grid, {panel}", fontsize=9)
+        ax.set_xlabel("step"); ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"train loss ({window}-step mean); dots: val"); axes[0][0].legend(fontsize=7)
+    fig.tight_layout(); fig.savefig(path, dpi=72); plt.close(fig)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", required=True, help="where the runs train (not committed)")
@@ -79,9 +99,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     from altgrad.sweep import format_config, reference_run, run_plan, train
     from altgrad.runs import load_run
+    from altgrad.config import load_config
     runs, t0 = Path(a.runs), time.time()
     ref = load_run(reference_run(runs, a.preset, a.seed, a.steps, a.data, "disabled"))
-    rows, landings = [], [x for x in a.landings.split(",") if x]
+    rows, landings, runs_used = [], [x for x in a.landings.split(",") if x], [("reference", "FP32 master", ref)]
     for landing in [None] + landings:
         grid = {} if landing is None else dict(master_weights="format", weight_update=landing, tag=f"grid-{landing}")
         for name in (BASELINES if landing is None else ()) + RECIPES:     # (on the grid: the block recipes only)
@@ -90,13 +111,20 @@ def main(argv=None):
             if (name in BASELINES or a.reuse) and run_plan(cfg.out_dir, cfg)[0] == "reuse": print(f"reusing {cfg.out_dir}", flush=True)
             else: print(f"training {name} {landing or 'fp32'} -> {cfg.out_dir}", flush=True); train(cfg, overwrite=True)
             rows.append(row(name, load_run(cfg.out_dir), ref, "FP32" if landing is None else f"grid, {landing}"))
+            runs_used.append((name, landing or "FP32 master", load_run(cfg.out_dir)))
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     ref_loss = ref.last("val/loss")
+    c, smoke, first = load_config(a.preset), a.preset == "smoke", num(float(ref.series('train/loss')[1][0]))
+    dims = f"{c.n_layer} layers × {c.n_embd} wide, {'block' if smoke else 'context'} {c.block_size}, batch {c.batch_size}"
+    trains = (f"**The smoke preset barely trains** (the reference's validation loss only falls to {num(ref_loss)} from "
+              f"{first} at the first step): these are single runs that show the machinery works end to end, not "
+              "evidence about formats or landings." if smoke else
+              f"The reference's validation loss falls to {num(ref_loss)} from {first} (train loss) at the first step. "
+              "These are single runs at the preset's learning rate, untuned per format: a first look, not evidence "
+              "that one format or landing beats another (no seeds, no confidence intervals).")
     L = ["# Block recipes: a short sweep", "",
-         f"Preset `{a.preset}` (2 layers × 64 wide, block 32, batch 4), {a.steps} steps, seed {a.seed}, device `cpu`, "
-         f"one thread, one seed. **The smoke preset barely trains** (the reference's validation loss only falls to "
-         f"{num(ref_loss)} from {num(float(ref.series('train/loss')[1][0]))} at the first step): these are single runs that show the machinery works end to "
-         "end, not evidence about formats or landings. Each block run's three GEMMs per linear layer read operands "
+         f"Preset `{a.preset}` ({dims}), {a.steps} steps, seed {a.seed}, device `cpu`, "
+         f"one thread, one seed. {trains} Each block run's three GEMMs per linear layer read operands "
          "block-quantized along that GEMM's reduction dimension (`BlockLinear`, round to nearest). E4M3 and E2M1 are "
          "tensor-wise runs of the same element formats (per-tensor delayed scaling), for comparison.", "",
          "Weights: `FP32` is an FP32 master copy, quantized in every GEMM. `grid, <landing>` keeps the weights on "
@@ -113,13 +141,16 @@ def main(argv=None):
          "NVFP4's on-grid stall, not comparable with the MX and tensor-wise rows. Under OCP FLOOR scales (the MX "
          "recipes here) a block's top weight that sits at the element format's largest value cannot grow: its growth "
          "is clipped back under nearest and stochastic landing alike (`04e_block_gemm`), which adds to the MX rows' "
-         "lost update on the grid. The verdict column (final validation loss within 10% of the reference's) is not "
-         "given for the smoke preset: the reference barely trains, so almost any run, even a frozen one, would pass.", "", NOTE.replace("\n", " "), ""]
+         "lost update on the grid. " + ("The verdict column (final validation loss within 10% of the reference's) is not "
+         "given for the smoke preset: the reference barely trains, so almost any run, even a frozen one, would pass."
+         if smoke else "The verdict column: final validation loss within 10% of the reference's."), "",
+         NOTE.replace("\n", " ").replace("the 8 linear layers", f"the {4 * c.n_layer} linear layers"), ""]
     train_s = sum(r["train_s"] or 0 for r in rows)
-    L += table(rows, a.preset == "smoke") + ["", f"Made by `tools/block_sweep.py --steps {a.steps}` (this call {time.time() - t0:.0f} s, "
+    L += table(rows, smoke) + ["", f"Made by `tools/block_sweep.py{'' if smoke else ' --preset ' + a.preset} --steps {a.steps}` (this call {time.time() - t0:.0f} s, "
                             f"finished runs of the same config reused{'' if a.reuse else ' (reference and tensor-wise)'}; "
                             f"the {len(rows)} runs in the table trained for {train_s:.0f} s in all, summed step times "
                             "on a CPU shared with other jobs).", ""]
+    if not smoke: L[-1:-1] = ["", "![Training loss of each run](loss.png)"]; figure(runs_used, out / "loss.png")
     (out / "summary.md").write_text("\n".join(L))
     meta = dict(preset=a.preset, steps=a.steps, seed=a.seed, landings=landings, ref_val_loss=ref_loss, rows=rows,
                 seconds=round(time.time() - t0))
