@@ -179,8 +179,8 @@ def _ulp_toward(a, w, d, s, lo, m, mx):
 
 # %% ../nbs/04_grid.ipynb #b572f9ac
 def _stats_kernel(wb, u, wa, s, prev, res, view_stall: bool, one, small, **p):
-    """`update_stats`' elementwise work and sums in one pass (compiled): `(r, sums)`; the median of r is left to the
-    caller."""
+    """`update_stats`' elementwise work and sums in one pass (compiled): `(r, sums)`, r = +inf where u == 0 (sorts
+    after every moved element's r: `_moved_median`); the median of r is left to the caller."""
     lo, m, mx = p["lo"], p["m"], p["mx"]                                  # p: `formats._kernel_params`
     r = u.abs() / _ulp_toward(_kernel_nearest(wb * s, one, **p).abs(), wb, u, s, lo, m, mx)
     moved, dw = u != 0, wa - wb
@@ -192,12 +192,28 @@ def _stats_kernel(wb, u, wa, s, prev, res, view_stall: bool, one, small, **p):
         flip, nbase = (base & (wa == prev)).sum().double(), base.sum().double()
     else: flip, nbase = z, z
     rs = (res / _ulp_toward(aa, wa, res, s, lo, m, mx)).double().square().sum() if res is not None else z
-    return r, torch.stack([moved.sum().double(), (moved & same).sum().double(), (moved & (r < 0.5)).sum().double(),
+    return torch.where(moved, r, math.inf), torch.stack([moved.sum().double(), (moved & same).sum().double(), (moved & (r < 0.5)).sum().double(),
                            (dw * u).sum(dtype=torch.float64), (u * u).sum(dtype=torch.float64), z, flip, nbase,
                            (aa < small).sum().double(), z + u.numel(), rs])
 
 # %% ../nbs/04_grid.ipynb #dfb27b21
 _stats_compiled: list = []     # [compiled kernel] once built; [None] if compiling failed
+_stats_consts: dict = {}       # (fmt, device) -> (one, small): the kernel's constant tensors, built once
+
+def _moved_median(r: torch.Tensor, n: int) -> float:
+    """`lower_median` of the `n` moved elements' r, from the kernel's r (+inf where u == 0) without selecting them:
+    the placeholders sort after every finite r and tie with an infinite one, NaNs sort last, so the ((n-1)//2)-th
+    smallest of all is that of the moved ones (CPU: selection, linear time)."""
+    k = (n - 1) // 2
+    part = np.partition(r.detach().reshape(-1).numpy(), k)
+    return math.nan if np.isnan(part[k:]).any() else float(part[k])
+
+def _stats_consts_for(fmt: FP8Format, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (fmt, str(dev))
+    if key not in _stats_consts:
+        small = fmt.min_normal if fmt.exp_bits else float(fmt.ulp(torch.tensor(0.0)))   # below: zero or subnormal
+        _stats_consts[key] = (torch.ones((), device=dev), torch.tensor(small, device=dev))
+    return _stats_consts[key]
 
 def update_stats(w_before: torch.Tensor, u: torch.Tensor, w_after: torch.Tensor, fmt, scale=1.0,
                  w_prev2: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -210,10 +226,8 @@ def update_stats(w_before: torch.Tensor, u: torch.Tensor, w_after: torch.Tensor,
     fmt = get_format(fmt)
     wb, wa, u = w_before.detach().float(), w_after.detach().float(), u.detach().float()
     s, dev = _scale_t(scale, wb), wb.device
-    small = fmt.min_normal if fmt.exp_bits else float(fmt.ulp(torch.tensor(0.0)))   # below: zero or subnormal code
     args = (wb, u, wa, s, None if w_prev2 is None else w_prev2.detach().float(),
-            None if residual is None else residual.detach().float(), bool(view_stall),
-            torch.ones((), device=dev), torch.tensor(small, device=dev))
+            None if residual is None else residual.detach().float(), bool(view_stall), *_stats_consts_for(fmt, dev))
     kern = _stats_kernel
     if _want_compiled(wb, None) and _stats_compiled != [None]:
         if not _stats_compiled: _stats_compiled.append(compile_kernel(_stats_kernel))
@@ -224,9 +238,9 @@ def update_stats(w_before: torch.Tensor, u: torch.Tensor, w_after: torch.Tensor,
         _stats_compiled[:] = [None]
         notice(f"torch.compile of update_stats failed ({type(e).__name__}); using the eager kernel")
         r, v = _stats_kernel(*args, **_tensor_params(fmt, dev))
-    if dev.type == "cpu":                                       # (no device to wait for: selection, linear time)
-        rm = torch.masked_select(r, u != 0)
-        if rm.numel(): v[5] = lower_median(rm).double()
+    if dev.type == "cpu":                                       # (no device to wait for: one read, the count)
+        n = int(v[0])
+        if n: v[5] = _moved_median(r, n)
     else: v[5] = masked_lower_median(r, u != 0, v[5])           # a GPU: no host read (a masked select would be one)
     return v
 

@@ -8,27 +8,36 @@ import torch
 import torch.nn as nn
 from .scaling import amax_of, expand_scale
 from .grid import LANDINGS, land, regrid_scale, store_residual, update_stats
-from .quantized import quantized_layers, sr_generator
+from .quantized import QuantizedLinear, quantized_layers, sr_generator
 from .microscaling import quantize_blocks
-from .block_gemm import grid_block_layers, land_block, block_grid_scale, block_grid_format
+from .block_gemm import BlockLinear, grid_block_layers, land_block, block_grid_scale, block_grid_format
 
 # %% auto #0
-__all__ = ['quant_pre_step', 'quant_post_step', 'decay_factors', 'absorb_landing_errors', 'GridStep']
+__all__ = ['step_layers', 'quant_pre_step', 'quant_post_step', 'decay_factors', 'absorb_landing_errors', 'GridStep']
+
+# %% ../nbs/24_step.ipynb #5e9a1c21
+def step_layers(model: nn.Module) -> tuple[list, list]:
+    "`(quantized_layers(model), grid_block_layers(model))` from one pass over the modules."
+    q, b = [], []
+    for n, m in model.named_modules():
+        if isinstance(m, QuantizedLinear): q.append((n, m))
+        if isinstance(m, BlockLinear) and m.master_weights == "format": b.append((n, m))
+    return q, b
 
 # %% ../nbs/24_step.ipynb #09a4f79d
 @torch.no_grad()
-def quant_pre_step(model: nn.Module, snapshot: dict[str, torch.Tensor] | None = None):
+def quant_pre_step(model: nn.Module, snapshot: dict[str, torch.Tensor] | None = None, layers: tuple | None = None):
     """Before `optimizer.step()`: quantize weight gradients (`quantize_grads`) and snapshot weights for bit-stall.
 
     `snapshot` (`metrics.snapshot_params(model)`, taken after the last change to the weights) is reused instead of
-    copying each quantized weight again."""
-    snapshot = snapshot or {}
-    for name, m in quantized_layers(model):
+    copying each quantized weight again. `layers`: `step_layers(model)`, when the caller has it."""
+    snapshot, (ql, bl) = snapshot or {}, layers or step_layers(model)
+    for name, m in ql:
         w = m.weight
         if m.qdw is not None and w.grad is not None: w.grad.copy_(m.qdw.quantize(w.grad, train=True))
         before = snapshot.get(f"{name}.weight")
         m._snapshot = before if before is not None and before.shape == w.shape else w.detach().clone()
-    for name, m in grid_block_layers(model):                     # weights on a block grid (04e_block_gemm)
+    for name, m in bl:                                           # weights on a block grid (04e_block_gemm)
         before = snapshot.get(f"{name}.weight")
         m._snapshot = before if before is not None and before.shape == m.weight.shape else m.weight.detach().clone()
 
@@ -106,7 +115,7 @@ def _measure_view(m, before: torch.Tensor, u: torch.Tensor, measure: bool = True
 # %% ../nbs/24_step.ipynb #c00c3b08
 @torch.no_grad()
 def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict | None = None,
-                    measure: bool = True) -> dict:
+                    measure: bool = True, layers: tuple | None = None) -> dict:
     """After `optimizer.step()`: land the weights on the grid (`master_weights='format'`) and measure the update.
 
     The optimizer proposed `u = w - w_before` (FP32). With weights on the grid, the new scale comes from the *updated*
@@ -128,14 +137,16 @@ def quant_post_step(model: nn.Module, decay: dict | None = None, intended: dict 
     block (`_land_block`): the block scales follow the landed weights, and the statistics use each weight's block ulp.
 
     `measure=False` lands exactly as above but leaves out the statistics and the decay term's fidelity (a step the
-    trainer does not log, `log_interval` > 1): nothing they compute feeds back into training. Returns {}."""
-    for _, m in quantized_layers(model):
+    trainer does not log, `log_interval` > 1): nothing they compute feeds back into training. `layers`:
+    `step_layers(model)`, when the caller has it. Returns {}."""
+    ql, bl = layers or step_layers(model)
+    for _, m in ql:
         before, m._snapshot = m._snapshot, None
         if before is None: continue
         u = m.weight.detach().float() - before.float()
         if m.on_grid: _land(m, before, u, (decay or {}).get(m.weight), (intended or {}).get(m.weight), measure)
         elif m.qw.scale.numel(): _measure_view(m, before, u, measure)
-    for _, m in grid_block_layers(model):
+    for _, m in bl:
         before, m._snapshot = m._snapshot, None
         if before is None or not m.on_grid: continue
         u = m.weight.detach().float() - before.float()
@@ -155,10 +166,11 @@ def decay_factors(optimizer, spec) -> dict:
     return out
 
 # %% ../nbs/24_step.ipynb #042ea0e9
-def absorb_landing_errors(model: nn.Module, optimizer, spec):
+def absorb_landing_errors(model: nn.Module, optimizer, spec, layers: tuple | None = None):
     """ECO: hand each layer's landing error of this step to the optimizer (`spec.absorb_error`); no-op for other
-    landings."""
-    for _, layer in quantized_layers(model) + grid_block_layers(model):
+    landings. `layers`: `step_layers(model)`, when the caller has it."""
+    ql, bl = layers or step_layers(model)
+    for _, layer in ql + bl:
         e, layer._landing_error = layer._landing_error, None
         if e is not None and spec.absorb_error is not None: spec.absorb_error(optimizer, layer.weight, e)
 
@@ -171,14 +183,15 @@ class GridStep:
     def step(self, snapshot: dict | None = None, measure: bool = True):
         """Snapshot, the base optimizer's step, the landing (with the decay term and the step's statistics), the
         hand-back. `measure=False`: the same step without its statistics (`quant_post_step`)."""
-        quant_pre_step(self.model, snapshot)
+        layers = step_layers(self.model)                 # (one walk over the modules for the three passes)
+        quant_pre_step(self.model, snapshot, layers)
         self.optimizer.step()
         # (a label for `layer_time_share`; free otherwise)
         with torch.profiler.record_function("altgrad.quant_post_step"):
             meant = self.spec.intended                   # an optimizer that lands on the grid itself says what it meant
             quant_post_step(self.model, decay_factors(self.optimizer, self.spec), meant and meant(self.optimizer),
-                            measure)
-        absorb_landing_errors(self.model, self.optimizer, self.spec)
+                            measure, layers)
+        absorb_landing_errors(self.model, self.optimizer, self.spec, layers)
 
     def __repr__(self):
         return f"GridStep({type(self.optimizer).__name__}, {len(quantized_layers(self.model))} 8-bit layers)"
