@@ -794,8 +794,10 @@ def _book(q: TensorQuantizer, rec: torch.Tensor, qt: torch.Tensor, scale):
 def book_traced(model: nn.Module):
     "After a compiled backward: eager's bookkeeping of each traced layer's W and A (forward) and G (backward)."
     for name, m in quantized_layers(model):
-        if not m._traced or m._tq_w is None: continue
-        if m._tbox.grad is None: raise RuntimeError(f"book_traced: layer {name} ran forward but no backward reached it")
+        if not m._traced: continue
+        if m._tq_w is None or m._tbox.grad is None:       # (dynamo fell back to eager, or no backward reached it)
+            raise RuntimeError(f"book_traced: layer {name} did not run traced forward and backward since prepare_traced;"
+                               " is the model compiled (compile=on) and did the backward reach the layer?")
         _book(m.qw, m._trec[0], m._tq_w, m.grid_scale if m.on_grid else None)
         _book(m.qa, m._trec[1], m._tq_a, None)
         _book(m.qg, m._tbox.grad, m._tgq.grad, None)
