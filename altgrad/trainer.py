@@ -28,6 +28,7 @@ from .metrics import (HostRead, queue_gradient_metrics, update_dead_neurons, sna
                              queue_zero_update_metrics, queue_nonfinite_sources, DivergenceDetector)
 from .diagnostics import DeadNeuronTracker
 from .optim import build_optimizer, default_lr_scale, get_optimizer
+from .formats import KERNEL_OPTIONS
 from . import quantized
 from .step import GridStep
 from .interventions import Interventions
@@ -114,7 +115,12 @@ class Trainer:
                                                    broadcast_buffers=False)   # scaling state: reduced, not overwritten
         net = self.ddp if self.ddp is not None else self.model
         self.compiled = compile_enabled(cfg, self.dev_type)        # the forward and backward under torch.compile
-        self.fwd = torch.compile(net) if self.compiled else net
+        # compiled: the 8-bit layers that can be are traced into the graph (`quantized.enable_traced`)
+        self.layer_paths = quantized.enable_traced(self.model, on=self.compiled and self.world == 1
+                                                   and not cfg.interventions)
+        self.traced = "traced" in self.layer_paths.values()
+        self.fwd = (torch.compile(net, **({"options": KERNEL_OPTIONS} if self.traced else {})) if self.compiled
+                    else net)
         self.lr_scale = lr_scale_of(cfg)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.lr * self.lr_scale, cfg.weight_decay,
                                          (cfg.beta1, cfg.beta2),
@@ -265,8 +271,10 @@ def train_step(self: Trainer) -> dict:
         rng = rng_snapshot(self.device) if self.shadow is not None else None
         no_sync = self.ddp is not None and micro < cfg.grad_accum - 1      # DDP: all-reduce after the last micro-batch
         with self.ddp.no_sync() if no_sync else contextlib.nullcontext():
+            if self.traced: quantized.prepare_traced(model, x)      # the traced layers' state, as tensors
             with self.autocast(): _, loss = self.fwd(x, y)
             (loss / cfg.grad_accum).backward()
+            if self.traced: quantized.book_traced(model)            # and what eager would have recorded
         loss_sum = loss_sum + loss.detach().float()
         if self.shadow is not None:
             _sync(self.dev_type); ts = time.perf_counter()
@@ -569,6 +577,7 @@ def _summary(self: Trainer, reason, start_step: int, seconds: float, perf: list)
         shadow_time=statistics.median(p[1] for p in perf) if perf and self.shadow is not None else None,
         device=self.device, autocast=str(self.amp_dtype).replace("torch.", "") if self.amp_dtype else None,
         compiled=self.compiled,                             # which step ran: `compile` resolved ('auto': by device)
+        **({"layer_paths": self.layer_paths} if self.compiled else {}),   # compiled: each 8-bit layer traced or eager
         **device_info(self.device),
         world_size=self.world, global_batch=self.global_batch,
         fmt=cfg.fmt, num_params=self.model.num_params(),
