@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .formats import (ALL_FORMATS, COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_kernel, compile_mode,
-                             get_format, quantize, _draw_seed, _kernel_nearest, _kernel_params, _kernel_stochastic, _tensor_params,
+                             get_format, quantize, _draw_seed, _kernel_nearest, _kernel_stochastic, _tensor_params,
                              _want_compiled, saturating, sr_generator, _fmt_spec, _fmt_from_spec)
 from .scaling import (AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale,
                              partition_clip, scale_kernel)
@@ -28,7 +28,7 @@ from .block_gemm import (is_block_format, block_layer, block_layers, grid_block_
 __all__ = ['SCALINGS', 'ROUNDINGS', 'TensorQuantizer', 'QuantizedLinear', 'LayerFormat', 'quantize_model',
            'quantize_model_from_config', 'quantized_layers', 'commit_amax', 'set_distributed', 'set_accumulation',
            'pending_amax', 'load_pending_amax', 'quant_metrics', 'reset_quant_metrics', 'queue_quant_metrics',
-           'quant_histograms', 'enable_traced', 'prepare_traced', 'book_traced']
+           'quant_histograms']
 
 # %% ../nbs/20_quantized.ipynb #5b149faf
 SCALINGS = ("delayed", "current")
@@ -366,8 +366,9 @@ class QuantizedLinear(nn.Linear):
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        "Eager (the reference), or traced into a compiled model's graph where `enable_traced` chose it (training)."
-        if self._traced and self.training and torch.compiler.is_compiling(): return _forward_traced(self, x)
+        """Eager (the reference), or traced into a compiled model's graph where `traced.enable_traced` chose it
+        (training; `altgrad.traced` adds `_forward_traced`)."""
+        if self._traced and self.training and torch.compiler.is_compiling(): return self._forward_traced(x)
         return self._forward_eager(x)
 
     @torch.compiler.disable          # eager inside a compiled model: the layer has Python-side state
@@ -666,139 +667,3 @@ def quant_histograms(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
             h["r"] = ratio_histogram(m._last_update[0], m._last_update[1], m.qw.qfmt, m._last_update[2]).cpu()
         if h: out[name] = h
     return out | block_histograms(model)
-
-# %% ../nbs/20_quantized.ipynb #2e531bb7
-def _bias_grad(g: torch.Tensor, n_out: int) -> torch.Tensor:
-    "db: G summed over tokens in float32, ATen's reduction order (a pure custom op: the compiler cannot reorder it)."
-    return g.float().reshape(-1, n_out).sum(0)
-
-if not hasattr(torch.ops.altgrad, "bias_grad"):                # (once per process: notebooks re-run their cells)
-    torch.library.custom_op("altgrad::bias_grad", _bias_grad, mutates_args=()).register_fake(
-        lambda g, n_out: g.new_empty(n_out, dtype=torch.float32))
-
-def _operand_state(q: TensorQuantizer, dev) -> dict:
-    "The tensors through which `prepare_traced` hands one operand's quantization state to the graph."
-    w = q.history.window if q.history is not None else 1
-    p = _kernel_params(q.qfmt); over, tie = _edges(q.fmt, dev)
-    z = lambda dt=torch.float32: torch.zeros((), dtype=dt, device=dev)
-    return dict(hist=torch.zeros(w, device=dev), use_hist=z(torch.bool), given=z() + 1, use_given=z(torch.bool),
-                prev=z() + 1, seed=torch.zeros(2, dtype=torch.int32, device=dev), over=over.clone(), tie=tie.clone(),
-                target=torch.tensor(q.fmt.max_value / 2.0 ** q.margin, dtype=torch.float32, device=dev),
-                ovf=torch.tensor(p.pop("ovf"), device=dev), p=p, sr=q.rounding == "stochastic")
-
-_GKEYS = ("hist", "use_hist", "given", "use_given", "target", "prev", "seed", "over", "tie", "ovf")
-
-def _operand_traced(x, st: dict):
-    "`(Q(x), [amax, scale], counts)` of one operand (float64 records), traced into the graph."
-    xf = x.detach().float()
-    q, s, c, ax = _operand_kernel(xf.reshape(-1), st["hist"], st["use_hist"], st["given"], st["use_given"],
-                                  st["target"], st["prev"], st["seed"] if st["sr"] else None, st["over"], st["tie"],
-                                  ovf=st["ovf"], **st["p"])
-    return q.view(xf.shape), torch.cat([ax.reshape(1), s.reshape(1)]).double(), c.double()
-
-# %% ../nbs/20_quantized.ipynb #8f545987
-class _TracedLinearFn(torch.autograd.Function):
-    """`_QuantizedLinearFn` on W and A quantized in the graph (`aq`, `wq`); G is quantized in the backward from the
-    state tensors `gs` (`_GKEYS`), and its record leaves as the gradients of the zero leaves `box` and `gbox`."""
-    @staticmethod
-    def forward(ctx, x, weight, bias, aq, wq, box, gbox, const, *gs):
-        y = F.linear(aq, wq, None if bias is None else bias.float())
-        ctx.save_for_backward(aq, wq, *gs)
-        ctx.const, ctx.dtypes = const, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        aq, wq, *gs = ctx.saved_tensors
-        with torch.autocast(g.device.type, enabled=False):
-            gq, rec, counts = _operand_traced(g, dict(zip(_GKEYS, gs)) | ctx.const)
-            n_out = wq.shape[0]
-            dx = (gq @ wq).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
-            dw = (gq.reshape(-1, n_out).t() @ aq.reshape(-1, aq.shape[-1])).to(ctx.dtypes[1])
-            db = None if ctx.dtypes[2] is None else torch.ops.altgrad.bias_grad(g, n_out).to(ctx.dtypes[2])
-        return (dx, dw, db, None, None, torch.cat([rec, counts]), gq, None) + (None,) * len(gs)
-
-def _forward_traced(self, x: torch.Tensor) -> torch.Tensor:
-    "`QuantizedLinear`'s training forward traced into the graph (state from `prepare_traced`, booked by `book_traced`)."
-    st, dev = self._tstate, x.device.type
-    wq, rw, cw = _operand_traced(self.weight, st["w"])
-    aq, ra, ca = _operand_traced(x, st["a"])
-    self._tq_w, self._tq_a = wq, aq                                 # (a side effect dynamo replays after the graph)
-    self._trec.copy_(torch.stack([torch.cat([rw, cw]), torch.cat([ra, ca])]))
-    g = st["g"]
-    args = (x, self.weight, self.bias, aq, wq, self._tbox, self._tgq, dict(p=g["p"], sr=g["sr"]),
-            *(g[k] for k in _GKEYS))
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        with torch.autocast(dev, enabled=False): return _TracedLinearFn.apply(*args).to(dt)
-    return _TracedLinearFn.apply(*args).to(x.dtype)
-
-# %% ../nbs/20_quantized.ipynb #69f0d664
-def _traced_ok(m: QuantizedLinear) -> bool:
-    "Can this layer be traced? Per-tensor scaling of W, A and G, no clipping, no data-parallel amax sync or rank streams."
-    return m.clip_k is None and all(q.granularity == "tensor" and not q.sync_amax and not q.sr_rank
-                                    for r, q in m.quantizers().items() if r != "dw")
-
-def enable_traced(model: nn.Module, on: bool = True) -> dict[str, str]:
-    """Choose each 8-bit layer's path under `torch.compile`: 'traced' into the graph where `_traced_ok`, else 'eager'
-    (a graph break); block layers are 'block' (their own code, as before). Returns `{layer: path}` for the run's
-    record; `on=False` puts every layer on the eager path."""
-    out = {}
-    for name, m in quantized_layers(model):
-        m._traced = bool(on) and _traced_ok(m)
-        out[name] = "traced" if m._traced else "eager"
-    return out | {name: "block" for name, _ in block_layers(model)}
-
-@torch.no_grad()
-def _prepare_operand(q: TensorQuantizer, st: dict, scale):
-    "What eager's training `quantize` reads before quantizing, into the operand's state tensors (`_operand_state`)."
-    if st["sr"]: st["seed"].copy_(_draw_seed(q._generator(True), st["seed"].device))
-    use_hist = scale is None and q.delayed and q.history.initialized
-    if use_hist:
-        h, n, w = q.history.history, q.history._n, q.history.window
-        st["hist"].copy_(h if q.history.algo == "max" else h[(n - 1) % w].repeat(w))
-    st["use_hist"].fill_(use_hist); st["use_given"].fill_(scale is not None)
-    st["given"].copy_(scale.reshape(())) if scale is not None else st["given"].fill_(1.0)
-    st["prev"].copy_(q.scale) if q.scale.dim() == 0 else st["prev"].fill_(1.0)
-
-def _traced_state(m: QuantizedLinear):
-    "The layer's state tensors (made again when a format or the device changed, e.g. after loading a checkpoint)."
-    dev, qs = m.weight.device, m.quantizers()
-    key = (dev,) + tuple((q.qfmt, q.margin, q.rounding, q.history.window if q.history else 0) for q in qs.values())
-    if m._tkey != key:
-        m._tstate = {r: _operand_state(q, dev) for r, q in qs.items() if r in ("w", "a", "g")}
-        m._trec = torch.zeros(2, 5, dtype=torch.float64, device=dev)
-        m._tbox = torch.zeros(5, dtype=torch.float64, device=dev, requires_grad=True)
-        m._tkey = key
-
-def prepare_traced(model: nn.Module, x: torch.Tensor):
-    """Before a compiled training forward on the batch `x` (token ids, [batch, tokens]): each traced layer's state as
-    tensors; weights that live on the grid are put there first (`to_grid`, as eager's forward would)."""
-    for _, m in quantized_layers(model):
-        if not m._traced: continue
-        _traced_state(m)
-        if m.master_weights == "format" and not m.on_grid: m.to_grid()
-        _prepare_operand(m.qw, m._tstate["w"], m.grid_scale if m.on_grid else None)
-        _prepare_operand(m.qa, m._tstate["a"], None)
-        _prepare_operand(m.qg, m._tstate["g"], None)
-        shape = tuple(x.shape) + (m.out_features,)                  # the layer's output: Q(G) leaves as its grad
-        if m._tgq is None or tuple(m._tgq.shape) != shape:
-            m._tgq = torch.zeros(shape, device=m.weight.device, requires_grad=True)
-
-@torch.no_grad()
-def _book(q: TensorQuantizer, rec: torch.Tensor, qt: torch.Tensor, scale):
-    "Eager's `_record` of one operand from the graph's record `rec` (float64 [amax, scale, counts]) and its Q `qt`."
-    q._record(qt, qt, rec[1].float() if scale is None else scale, None if scale is not None else rec[0].float(),
-              rec[2:].long())
-
-def book_traced(model: nn.Module):
-    "After a compiled backward: eager's bookkeeping of each traced layer's W and A (forward) and G (backward)."
-    for name, m in quantized_layers(model):
-        if not m._traced: continue
-        if m._tq_w is None or m._tbox.grad is None:       # (dynamo fell back to eager, or no backward reached it)
-            raise RuntimeError(f"book_traced: layer {name} did not run traced forward and backward since prepare_traced;"
-                               " is the model compiled (compile=on) and did the backward reach the layer?")
-        _book(m.qw, m._trec[0], m._tq_w, m.grid_scale if m.on_grid else None)
-        _book(m.qa, m._trec[1], m._tq_a, None)
-        _book(m.qg, m._tbox.grad, m._tgq.grad, None)
-        m._tbox.grad = m._tgq.grad = None; m._tq_w = m._tq_a = None

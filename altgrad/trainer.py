@@ -29,7 +29,7 @@ from .metrics import (HostRead, queue_gradient_metrics, update_dead_neurons, sna
 from .diagnostics import DeadNeuronTracker
 from .optim import build_optimizer, default_lr_scale, get_optimizer
 from .formats import KERNEL_OPTIONS
-from . import quantized
+from . import quantized, traced
 from .step import GridStep
 from .interventions import Interventions
 from .distributed import (init_distributed, device_for, destroy_distributed, all_reduce_sum, all_true,
@@ -115,8 +115,8 @@ class Trainer:
                                                    broadcast_buffers=False)   # scaling state: reduced, not overwritten
         net = self.ddp if self.ddp is not None else self.model
         self.compiled = compile_enabled(cfg, self.dev_type)        # the forward and backward under torch.compile
-        # compiled: the 8-bit layers that can be are traced into the graph (`quantized.enable_traced`)
-        self.layer_paths = quantized.enable_traced(self.model, on=self.compiled and self.world == 1
+        # compiled: the 8-bit layers that can be are traced into the graph (`traced.enable_traced`)
+        self.layer_paths = traced.enable_traced(self.model, on=self.compiled and self.world == 1
                                                    and not cfg.interventions)
         self.traced = "traced" in self.layer_paths.values()
         self.fwd = (torch.compile(net, **({"options": KERNEL_OPTIONS} if self.traced else {})) if self.compiled
@@ -271,10 +271,10 @@ def train_step(self: Trainer) -> dict:
         rng = rng_snapshot(self.device) if self.shadow is not None else None
         no_sync = self.ddp is not None and micro < cfg.grad_accum - 1      # DDP: all-reduce after the last micro-batch
         with self.ddp.no_sync() if no_sync else contextlib.nullcontext():
-            if self.traced: quantized.prepare_traced(model, x)      # the traced layers' state, as tensors
+            if self.traced: traced.prepare_traced(model, x)      # the traced layers' state, as tensors
             with self.autocast(): _, loss = self.fwd(x, y)
             (loss / cfg.grad_accum).backward()
-            if self.traced: quantized.book_traced(model)            # and what eager would have recorded
+            if self.traced: traced.book_traced(model)            # and what eager would have recorded
         loss_sum = loss_sum + loss.detach().float()
         if self.shadow is not None:
             _sync(self.dev_type); ts = time.perf_counter()

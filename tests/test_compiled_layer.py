@@ -1,4 +1,4 @@
-"""The traced 8-bit layer (`quantized.enable_traced`, `compile=on`) against the eager one: bit identity on the same inputs.
+"""The traced 8-bit layer (`traced.enable_traced`, `compile=on`) against the eager one: bit identity on the same inputs.
 
 Per format: a three-layer stack (nearest/delayed/max, stochastic/delayed/most_recent, stochastic/current) compiled as a
 whole, eager and compiled fed the same inputs and output gradients. Per update regime: two smoke trainers, one with
@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 from altgrad.formats import FORMAT_REGISTRY, KERNEL_OPTIONS
 from altgrad.regimes import UPDATE_REGIMES
-from altgrad.quantized import (QuantizedLinear, quantized_layers, enable_traced, prepare_traced, book_traced,
+from altgrad.traced import enable_traced, prepare_traced, book_traced
+from altgrad.quantized import (QuantizedLinear, quantized_layers,
                                set_accumulation, commit_amax)
 
 torch._dynamo.config.cache_size_limit = 64

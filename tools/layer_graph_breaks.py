@@ -3,11 +3,12 @@
     python tools/layer_graph_breaks.py [--fmt E4M3] [--rounding nearest|stochastic] [--traced] [--json OUT]
 
 Without `--traced`: the eager layer with its `@torch.compiler.disable` lifted (in this process only; the to-do list
-that the traced layer answered). With `--traced`: the layer as compiled runs take it (`quantized.enable_traced`,
+that the traced layer answered). With `--traced`: the layer as compiled runs take it (`traced.enable_traced`,
 state from `prepare_traced`): one graph, no break."""
 import argparse, json, time
 import torch
-from altgrad.quantized import QuantizedLinear, enable_traced, prepare_traced
+from altgrad.quantized import QuantizedLinear
+from altgrad.traced import enable_traced, prepare_traced
 from altgrad.formats import ALL_FORMATS, FP8Format
 
 
