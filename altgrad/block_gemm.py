@@ -292,9 +292,10 @@ def _diag_counts(xv: torch.Tensor, v: torch.Tensor, q: torch.Tensor, mx: torch.T
     return cnt(sat), cnt(und), cnt(xv != 0), ax.amax(dim=(1, 3)) > 0
 
 def _quantize_counts(xv: torch.Tensor, a: dict):
-    "`_block_kernel` (nearest) of the blocked view `xv` and `_diag_counts` of its result, in one graph."
+    """The error `xv - values` of `_block_kernel` (nearest) of the blocked view `xv`, its scales and tensor scale, and
+    `_diag_counts` of its result, in one graph: the elements are counted, not written."""
     v, q, scales, pts = _block_kernel(xv, a)
-    return (v, q, scales, pts, *_diag_counts(xv, v, q, a["mx"]))
+    return (xv - v, scales, pts, *_diag_counts(xv, v, q, a["mx"]))
 
 _compiled_counts: dict = {}
 
@@ -309,29 +310,29 @@ def _compiled_quantize_counts(xv: torch.Tensor, r: BlockRecipe):
     return _compiled_counts[key]
 
 def _block_counts(x: torch.Tensor, r: BlockRecipe, weight: bool):
-    """(`quantize_blocks(x, r, weight=weight)`, `_diag_counts` of it): one compiled graph where `quantize_blocks`
-    compiles, else eager; eager too if compiling fails."""
+    """(`x - values`, scales of `quantize_blocks(x, r, weight=weight)`, `_diag_counts` of it): one compiled graph where
+    `quantize_blocks` compiles, else eager; eager too if compiling fails."""
     xv = _blocked(x.reshape(-1, x.shape[-1]), r, weight); fn = _compiled_quantize_counts(xv, r)
     if fn is not None:
         try:
-            v, q, s, pts, *c = fn(xv, _block_args(r, xv.device, tensors=True))
-            return Blocked(v.reshape(x.shape), q.reshape(x.shape), s.reshape(xv.shape[0], xv.shape[2]), pts), tuple(c)
+            err, s, pts, *c = fn(xv, _block_args(r, xv.device, tensors=True))
+            return err.reshape(x.shape), s.reshape(xv.shape[0], xv.shape[2]), tuple(c)
         except Exception as e:
             _compile_broken.append(repr(e)); notice(f"torch.compile of the block diagnostics failed ({type(e).__name__})")
     b = quantize_blocks(x, r, weight=weight, compiled=False)
     v, q = (_blocked(t.reshape(-1, t.shape[-1]), r, weight) for t in (b.values, b.elements))
-    return b, _diag_counts(xv, v, q, get_format(r.elem).max_value)
+    return x - b.values, b.scales, _diag_counts(xv, v, q, get_format(r.elem).max_value)
 
 # %% ../nbs/04e_block_gemm.ipynb #82c3ba5e
 def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[dict, torch.Tensor]:
     "(scalar diagnostics, scale-code histogram) of block-quantizing `x` along its last axis with `recipe`."
     r = get_recipe(recipe); x = x.detach().float(); n = x.numel()
-    b, (sat, und, nzel, nz) = _block_counts(x, r, weight)
-    codes = (b.scales if r.scale == "UE8M0" else to_bits(b.scales, r.scale)).long()
+    err, scales, (sat, und, nzel, nz) = _block_counts(x, r, weight)
+    codes = (scales if r.scale == "UE8M0" else to_bits(scales, r.scale)).long()
     lo, hi = _scale_code_range(r)
     hit = codes <= lo if r.tensor_scale else (codes <= lo) | (codes >= hi)   # a tensor scale puts the top block at hi
     sq = lambda t: t.double().square_().sum()  # eager float64 sums, in `block_stats`' order; in place: one allocation
-    se = sq(x - b.values)                      # (t*t is pow(t, 2)'s bits)
+    se = sq(err)                               # (t*t is pow(t, 2)'s bits)
     d = {"scale_clamp": (hit & nz).float().sum() / nz.sum().clamp(min=1),
          "overflow": sat.sum().float() / n, "underflow": und.sum().float() / nzel.sum().clamp(min=1),
          "block_overflow": (sat > 0).float().mean(), "block_underflow": (und > 0).float().mean(),
@@ -345,15 +346,14 @@ def block_metric_parts(model: nn.Module):
     keys, vals = [], []
     for name, m in block_layers(model):
         for role, (x, r, w) in block_operands(m).items():
-            for k, v in operand_diagnostics(x, r, w)[0].items():
-                keys.append(f"{k}/{name}/{role}"); vals.append(v.reshape(()).to(torch.float64))
+            for k, v in operand_diagnostics(x, r, w)[0].items(): keys.append(f"{k}/{name}/{role}"); vals.append(v)
     if not keys: return None
     def build(flat) -> dict:
         out, ovf = dict(zip(keys, flat)), 0.0
         for k in keys:
             if k.startswith("overflow/"): ovf = max(ovf, out[k])
         return out | {"overflow/max": ovf}
-    return torch.stack(vals), build
+    return torch.stack(vals).to(torch.float64), build   # 0-d each; one stack promotes them all (exactly)
 
 # %% ../nbs/04e_block_gemm.ipynb #ab8562ed
 def block_metrics(model: nn.Module) -> dict:
