@@ -287,7 +287,7 @@ def block_operands(m: BlockLinear) -> dict[str, tuple]:
 def _diag_counts(xv: torch.Tensor, v: torch.Tensor, q: torch.Tensor, mx: torch.Tensor):
     """Per block of the blocked views of input `xv`, values `v` and elements `q` (maximum `mx`): saturated, underflowed
     and non-zero element counts, and whether any element is non-zero; one pass where the masks once took about thirty."""
-    ax, cnt = xv.abs(), lambda m: m.sum(dim=(1, 3), dtype=torch.int32)
+    ax, cnt = xv.abs(), lambda m: torch.where(m, 1.0, 0.0).sum(dim=(1, 3)).to(torch.int32)   # (see below)
     sat, und = (q.abs() == mx) & (ax > v.abs()), (v == 0) & (xv != 0)
     return cnt(sat), cnt(und), cnt(xv != 0), ax.amax(dim=(1, 3)) > 0
 
@@ -326,7 +326,12 @@ def _block_counts(x: torch.Tensor, r: BlockRecipe, weight: bool):
 # %% ../nbs/04e_block_gemm.ipynb #82c3ba5e
 def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[dict, torch.Tensor]:
     "(scalar diagnostics, scale-code histogram) of block-quantizing `x` along its last axis with `recipe`."
-    r = get_recipe(recipe); x = x.detach().float(); n = x.numel()
+    r = get_recipe(recipe); d, codes = _operand_figures(x, r, weight)
+    return d, torch.bincount(codes.reshape(-1), minlength=256 if r.scale == "UE8M0" else 128)
+
+def _operand_figures(x: torch.Tensor, r: BlockRecipe, weight: bool) -> tuple[dict, torch.Tensor]:
+    "`operand_diagnostics`' figures and the scale codes it counts (the per-step figures need no histogram)."
+    x = x.detach().float(); n = x.numel()
     err, scales, (sat, und, nzel, nz) = _block_counts(x, r, weight)
     codes = (scales if r.scale == "UE8M0" else to_bits(scales, r.scale)).long()
     lo, hi = _scale_code_range(r)
@@ -337,7 +342,7 @@ def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[
          "overflow": sat.sum().float() / n, "underflow": und.sum().float() / nzel.sum().clamp(min=1),
          "block_overflow": (sat > 0).float().mean(), "block_underflow": (und > 0).float().mean(),
          "qmse": se / n, "sqnr_db": 10 * torch.log10(sq(x) / se)}
-    return d, torch.bincount(codes.reshape(-1), minlength=256 if r.scale == "UE8M0" else 128)
+    return d, codes
 
 # %% ../nbs/04e_block_gemm.ipynb #4da4730d
 def block_metric_parts(model: nn.Module):
@@ -346,7 +351,8 @@ def block_metric_parts(model: nn.Module):
     keys, vals = [], []
     for name, m in block_layers(model):
         for role, (x, r, w) in block_operands(m).items():
-            for k, v in operand_diagnostics(x, r, w)[0].items(): keys.append(f"{k}/{name}/{role}"); vals.append(v)
+            for k, v in _operand_figures(x, get_recipe(r), w)[0].items():   # (no histogram: `block_histograms`)
+                keys.append(f"{k}/{name}/{role}"); vals.append(v)
     if not keys: return None
     def build(flat) -> dict:
         out, ovf = dict(zip(keys, flat)), 0.0
