@@ -4,15 +4,15 @@
 
 # %% ../nbs/04e_block_gemm.ipynb #6ca72741
 from __future__ import annotations
-import math
+import math, types
 from dataclasses import dataclass, replace
 import torch
 from torch import nn
 from fastcore.basics import patch
 from .formats import get_format, to_bits, compile_kernel, _compile_broken, _want_compiled
 from .grid import MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, land, ratio_histogram
-from .microscaling import (BlockRecipe, get_recipe, quantize_blocks, block_stats, _blocked, _block_args,
-                                  _scales_of, _scale_code_range)
+from .microscaling import (BlockRecipe, Blocked, get_recipe, quantize_blocks, block_stats, _blocked,
+                                  _block_args, _block_kernel, _scales_of, _scale_code_range)
 from .notice import notice
 
 # %% auto #0
@@ -287,40 +287,62 @@ def block_operands(m: BlockLinear) -> dict[str, tuple]:
 def _diag_counts(xv: torch.Tensor, v: torch.Tensor, q: torch.Tensor, mx: torch.Tensor):
     """Per block of the blocked views of input `xv`, values `v` and elements `q` (maximum `mx`): saturated, underflowed
     and non-zero element counts, and whether any element is non-zero; one pass where the masks once took about thirty."""
-    ax, cnt = xv.abs(), lambda m: m.sum(dim=(1, 3), dtype=torch.int32)
+    ax, cnt = xv.abs(), lambda m: torch.where(m, 1.0, 0.0).sum(dim=(1, 3)).to(torch.int32)   # (see below)
     sat, und = (q.abs() == mx) & (ax > v.abs()), (v == 0) & (xv != 0)
     return cnt(sat), cnt(und), cnt(xv != 0), ax.amax(dim=(1, 3)) > 0
 
+def _quantize_counts(xv: torch.Tensor, a: dict):
+    """The error `xv - values` of `_block_kernel` (nearest) of the blocked view `xv`, its scales and tensor scale, and
+    `_diag_counts` of its result, in one graph: the elements are counted, not written."""
+    v, q, scales, pts = _block_kernel(xv, a)
+    return (xv - v, scales, pts, *_diag_counts(xv, v, q, a["mx"]))
+
 _compiled_counts: dict = {}
 
-def _block_counts(x: torch.Tensor, b, r: BlockRecipe, weight: bool):
-    """`_diag_counts` of `x` block-quantized to `b`: compiled where `quantize_blocks` compiles (the element maximum a
-    0-d tensor, one graph per device), else eager; eager too if compiling fails."""
-    xv, v, q = (_blocked(t.reshape(-1, t.shape[-1]), r, weight) for t in (x, b.values, b.elements))
-    mx = get_format(r.elem).max_value
-    if not _want_compiled(xv, None): return _diag_counts(xv, v, q, mx)
-    dev = str(xv.device)
-    for t in (xv, v, q): torch._dynamo.mark_static(t, 1); torch._dynamo.mark_static(t, 3)   # as `_view_kernel`
-    if dev not in _compiled_counts: _compiled_counts[dev] = compile_kernel(_diag_counts)
-    try: return _compiled_counts[dev](xv, v, q, torch.tensor(mx, device=xv.device))
-    except Exception as e:
-        _compile_broken.append(repr(e)); notice(f"torch.compile of the block diagnostics failed ({type(e).__name__})")
-        return _diag_counts(xv, v, q, mx)
+def _compiled_quantize_counts(xv: torch.Tensor, r: BlockRecipe):
+    "The compiled `_quantize_counts` for `xv` (a graph per scale kind and device, block sizes static), or None."
+    if not _want_compiled(xv, None): return None
+    key = (r.scale, r.scale_rounding, r.tensor_scale, str(xv.device))
+    if key not in _compiled_counts:            # a copy of the code per key, as `_view_kernel`
+        code = _quantize_counts.__code__.replace(co_name=f"_quantize_counts_{len(_compiled_counts)}")
+        _compiled_counts[key] = compile_kernel(types.FunctionType(code, _quantize_counts.__globals__, code.co_name))
+    for d in (1, 3): torch._dynamo.mark_static(xv, d)
+    return _compiled_counts[key]
+
+def _block_counts(x: torch.Tensor, r: BlockRecipe, weight: bool):
+    """(`x - values`, scales of `quantize_blocks(x, r, weight=weight)`, `_diag_counts` of it): one compiled graph where
+    `quantize_blocks` compiles, else eager; eager too if compiling fails."""
+    xv = _blocked(x.reshape(-1, x.shape[-1]), r, weight); fn = _compiled_quantize_counts(xv, r)
+    if fn is not None:
+        try:
+            err, s, pts, *c = fn(xv, _block_args(r, xv.device, tensors=True))
+            return err.reshape(x.shape), s.reshape(xv.shape[0], xv.shape[2]), tuple(c)
+        except Exception as e:
+            _compile_broken.append(repr(e)); notice(f"torch.compile of the block diagnostics failed ({type(e).__name__})")
+    b = quantize_blocks(x, r, weight=weight, compiled=False)
+    v, q = (_blocked(t.reshape(-1, t.shape[-1]), r, weight) for t in (b.values, b.elements))
+    return x - b.values, b.scales, _diag_counts(xv, v, q, get_format(r.elem).max_value)
 
 # %% ../nbs/04e_block_gemm.ipynb #82c3ba5e
 def operand_diagnostics(x: torch.Tensor, recipe, weight: bool = False) -> tuple[dict, torch.Tensor]:
     "(scalar diagnostics, scale-code histogram) of block-quantizing `x` along its last axis with `recipe`."
-    r = get_recipe(recipe); x = x.detach().float(); n = x.numel(); b = quantize_blocks(x, r, weight=weight)
-    sat, und, nzel, nz = _block_counts(x, b, r, weight)
-    codes = (b.scales if r.scale == "UE8M0" else to_bits(b.scales, r.scale)).long()
+    r = get_recipe(recipe); d, codes = _operand_figures(x, r, weight)
+    return d, torch.bincount(codes.reshape(-1), minlength=256 if r.scale == "UE8M0" else 128)
+
+def _operand_figures(x: torch.Tensor, r: BlockRecipe, weight: bool) -> tuple[dict, torch.Tensor]:
+    "`operand_diagnostics`' figures and the scale codes it counts (the per-step figures need no histogram)."
+    x = x.detach().float(); n = x.numel()
+    err, scales, (sat, und, nzel, nz) = _block_counts(x, r, weight)
+    codes = (scales if r.scale == "UE8M0" else to_bits(scales, r.scale)).long()
     lo, hi = _scale_code_range(r)
     hit = codes <= lo if r.tensor_scale else (codes <= lo) | (codes >= hi)   # a tensor scale puts the top block at hi
-    se = (x - b.values).double().pow(2).sum()                # eager float64 sums, in `block_stats`' order
+    sq = lambda t: t.double().square_().sum()  # eager float64 sums, in `block_stats`' order; in place: one allocation
+    se = sq(err)                               # (t*t is pow(t, 2)'s bits)
     d = {"scale_clamp": (hit & nz).float().sum() / nz.sum().clamp(min=1),
          "overflow": sat.sum().float() / n, "underflow": und.sum().float() / nzel.sum().clamp(min=1),
          "block_overflow": (sat > 0).float().mean(), "block_underflow": (und > 0).float().mean(),
-         "qmse": se / n, "sqnr_db": 10 * torch.log10(x.double().pow(2).sum() / se)}
-    return d, torch.bincount(codes.reshape(-1), minlength=256 if r.scale == "UE8M0" else 128)
+         "qmse": se / n, "sqnr_db": 10 * torch.log10(sq(x) / se)}
+    return d, codes
 
 # %% ../nbs/04e_block_gemm.ipynb #4da4730d
 def block_metric_parts(model: nn.Module):
@@ -329,15 +351,15 @@ def block_metric_parts(model: nn.Module):
     keys, vals = [], []
     for name, m in block_layers(model):
         for role, (x, r, w) in block_operands(m).items():
-            for k, v in operand_diagnostics(x, r, w)[0].items():
-                keys.append(f"{k}/{name}/{role}"); vals.append(v.reshape(()).to(torch.float64))
+            for k, v in _operand_figures(x, get_recipe(r), w)[0].items():   # (no histogram: `block_histograms`)
+                keys.append(f"{k}/{name}/{role}"); vals.append(v)
     if not keys: return None
     def build(flat) -> dict:
         out, ovf = dict(zip(keys, flat)), 0.0
         for k in keys:
             if k.startswith("overflow/"): ovf = max(ovf, out[k])
         return out | {"overflow/max": ovf}
-    return torch.stack(vals), build
+    return torch.stack(vals).to(torch.float64), build   # 0-d each; one stack promotes them all (exactly)
 
 # %% ../nbs/04e_block_gemm.ipynb #ab8562ed
 def block_metrics(model: nn.Module) -> dict:

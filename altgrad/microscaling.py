@@ -213,28 +213,60 @@ def _scales_of(amax: torch.Tensor, a: dict):
 # %% ../nbs/04d_microscaling.ipynb #2acbf946
 _compiled_view: dict = {}
 
+def _block_scales(xv: torch.Tensor, a: dict):
+    "(scales, each block's multiplier or divisor, effective scale, tensor scale) of the blocked view `xv`."
+    scales, mul, div, eff, pts = _scales_of(xv.abs().amax(dim=(1, 3), keepdim=True), a)
+    return scales, (mul if div is None else div), eff, pts
+
+def _block_apply(xv: torch.Tensor, md: torch.Tensor, eff: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
+    "(values, elements) of `xv` with its blocks' multipliers or divisors `md` and effective scales `eff`."
+    md_divides = a["rounding"] not in (None, "rceil")                   # E8M0 FLOOR, CEIL, EVEN: a divisor
+    y = _clamp(xv / md if md_divides else xv * md, -a["mx"], a["mx"])
+    q = _kernel_nearest(y, a["one"], **a["ep"]) if seed is None else _kernel_stochastic(y, a["one"], seed, **a["ep"])
+    return q * eff, q
+
 def _block_kernel(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
     "(values, elements, scales, tensor scale) of the blocked view `xv`: amax, scales, range, rounding, scaling back."
-    amax = xv.abs().amax(dim=(1, 3), keepdim=True)
-    scales, mul, div, eff, pts = _scales_of(amax, a)
-    y = _clamp(xv * mul if div is None else xv / div, -a["mx"], a["mx"])
-    q = _kernel_nearest(y, a["one"], **a["ep"]) if seed is None else _kernel_stochastic(y, a["one"], seed, **a["ep"])
-    return q * eff, q, scales, pts
+    scales, md, eff, pts = _block_scales(xv, a)
+    return (*_block_apply(xv, md, eff, a, seed), scales, pts)
+
+# %% ../nbs/04d_microscaling.ipynb #f42fd996
+def _compiled_copy(f, n: int):
+    "`compile_kernel` of a copy of `f`'s code named `<name>_<n>`: its own Dynamo cache and recompile limit."
+    code = f.__code__.replace(co_name=f"{f.__name__}_{n}")
+    return compile_kernel(types.FunctionType(code, f.__globals__, code.co_name, f.__defaults__))
+
+def _two_graphs(n: int):
+    """`_block_kernel` as two compiled graphs, the per-block scales (`_block_scales`) and then the elementwise pass
+    (`_block_apply`) that reads them."""
+    scales_of, apply = _compiled_copy(_block_scales, n), _compiled_copy(_block_apply, n)
+    def kernel(xv, a, seed=None):
+        scales, md, eff, pts = scales_of(xv, a)
+        return (*apply(xv, md, eff, a, seed), scales, pts)
+    return kernel
 
 # %% ../nbs/04d_microscaling.ipynb #ff34016d
-def _view_kernel(xv: torch.Tensor, r: BlockRecipe, rounding: str, compiled: bool | None):
+def _view_kernel(xv: torch.Tensor, r: BlockRecipe, rounding: str, compiled: bool | None,
+                 split: bool = False):
     """(kernel, its constants) for `xv`: the compiled `_block_kernel` of recipe `r` where `formats` would compile
     (`compiled=True`, or `ALTGRAD_COMPILE` auto and at least `COMPILE_MIN_NUMEL` elements), else the eager one. The
     block's two sizes are marked static (a graph per tile/block size, the rest dynamic), as indexing the block amax by a
-    symbolic block size costs integer division per element."""
+    symbolic block size costs integer division per element. With `split`, two graphs: the scales, then the elementwise
+    pass (`_two_graphs`)."""
     if not _want_compiled(xv, compiled): return _block_kernel, _block_args(r, xv.device)
-    key = (r.scale, r.scale_rounding, r.tensor_scale, str(xv.device), rounding)   # what shapes the graph
+    key = (r.scale, r.scale_rounding, r.tensor_scale, str(xv.device), rounding, split)   # what shapes the graph
     if key not in _compiled_view:              # a copy of the code per key: its own Dynamo cache and recompile limit
-        code = _block_kernel.__code__.replace(co_name=f"_block_kernel_{len(_compiled_view)}")
-        fn = types.FunctionType(code, _block_kernel.__globals__, code.co_name, _block_kernel.__defaults__)
-        _compiled_view[key] = compile_kernel(fn)
+        n = len(_compiled_view)
+        _compiled_view[key] = _two_graphs(n) if split else _compiled_copy(_block_kernel, n)
     for d in (1, 3): torch._dynamo.mark_static(xv, d)   # tile and block sizes static: no symbolic index per element
     return _compiled_view[key], _block_args(r, xv.device, tensors=True)
+
+# %% ../nbs/04d_microscaling.ipynb #ac4127cf
+def _blocked_rows(x2: torch.Tensor, r: BlockRecipe, weight: bool) -> torch.Tensor:
+    "`_blocked(x2.t(), r, weight)`'s blocks as a view of the R×K matrix `x2` itself: (R/block, block, K/t, t)."
+    _blocked(x2.t(), r, weight)                           # the same checks and messages as the moved view
+    b = r.block; t = b if (weight and r.weight_tiles) else 1
+    return x2.reshape(x2.shape[0] // b, b, x2.shape[1] // t, t)
 
 # %% ../nbs/04d_microscaling.ipynb #d83ca67f
 def quantize_blocks(x: torch.Tensor, recipe, axis: int = -1, weight: bool = False, rounding: str = "nearest",
@@ -243,16 +275,20 @@ def quantize_blocks(x: torch.Tensor, recipe, axis: int = -1, weight: bool = Fals
     r = get_recipe(recipe)
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding={rounding!r} is not 'nearest' or 'stochastic'")
-    xt = x.detach().float().movedim(axis, -1); shape = xt.shape
-    xv = _blocked(xt.reshape(-1, shape[-1]), r, weight)
+    xf = x.detach().float()
+    rows = xf.dim() == 2 and axis in (0, -2) and rounding == "nearest" and _want_compiled(xf, compiled)
+    xt = xf.movedim(axis, -1); shape = xt.shape
+    xv = _blocked_rows(xf, r, weight) if rows else _blocked(xt.reshape(-1, shape[-1]), r, weight)
     seed = _draw_seed(generator, xv.device) if rounding == "stochastic" else None
-    fn, a = _view_kernel(xv, r, rounding, compiled)
+    fn, a = _view_kernel(xv, r, rounding, compiled, split=rows)
     try: values, q, scales, pts = fn(xv, a, seed)
     except Exception as e:                 # no C++ compiler, unsupported device...: the eager kernel, once noticed
         if fn is _block_kernel or compiled: raise
         _compile_broken.append(repr(e))
         notice(f"torch.compile of the block quantizer failed ({type(e).__name__}); using the eager kernel")
         values, q, scales, pts = _block_kernel(xv, _block_args(r, xv.device), seed)
+    if rows: return Blocked(values.reshape(xf.shape), q.reshape(xf.shape),
+                            scales.reshape(xv.shape[0], xv.shape[2]).t().contiguous(), pts)
     back = lambda t: t.reshape(shape).movedim(-1, axis)
     return Blocked(back(values), back(q), scales.reshape(xv.shape[0], xv.shape[2]), pts)
 
