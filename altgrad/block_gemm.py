@@ -318,7 +318,8 @@ def _block_counts(x: torch.Tensor, r: BlockRecipe, weight: bool):
             err, s, pts, *c = fn(xv, _block_args(r, xv.device, tensors=True))
             return err.reshape(x.shape), s.reshape(xv.shape[0], xv.shape[2]), tuple(c)
         except Exception as e:
-            _compile_broken.append(repr(e)); notice(f"torch.compile of the block diagnostics failed ({type(e).__name__})")
+            _compile_broken.append(repr(e))
+            notice(f"torch.compile of the block diagnostics failed ({type(e).__name__})")
     b = quantize_blocks(x, r, weight=weight, compiled=False)
     v, q = (_blocked(t.reshape(-1, t.shape[-1]), r, weight) for t in (b.values, b.elements))
     return x - b.values, b.scales, _diag_counts(xv, v, q, get_format(r.elem).max_value)

@@ -192,9 +192,10 @@ def _stats_kernel(wb, u, wa, s, prev, res, view_stall: bool, one, small, **p):
         flip, nbase = (base & (wa == prev)).sum().double(), base.sum().double()
     else: flip, nbase = z, z
     rs = (res / _ulp_toward(aa, wa, res, s, lo, m, mx)).double().square().sum() if res is not None else z
-    return torch.where(moved, r, math.inf), torch.stack([moved.sum().double(), (moved & same).sum().double(), (moved & (r < 0.5)).sum().double(),
-                           (dw * u).sum(dtype=torch.float64), (u * u).sum(dtype=torch.float64), z, flip, nbase,
-                           (aa < small).sum().double(), z + u.numel(), rs])
+    sums = torch.stack([moved.sum().double(), (moved & same).sum().double(), (moved & (r < 0.5)).sum().double(),
+                        (dw * u).sum(dtype=torch.float64), (u * u).sum(dtype=torch.float64), z, flip, nbase,
+                        (aa < small).sum().double(), z + u.numel(), rs])
+    return torch.where(moved, r, math.inf), sums
 
 # %% ../nbs/04_grid.ipynb #dfb27b21
 _stats_compiled: list = []     # [compiled kernel] once built; [None] if compiling failed

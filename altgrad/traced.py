@@ -85,7 +85,7 @@ def _forward_traced(self: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/20b_traced.ipynb #69f0d664
 def _traced_ok(m: QuantizedLinear) -> bool:
-    "Can this layer be traced? Per-tensor scaling of W, A and G, no clipping, no data-parallel amax sync or rank streams."
+    "Can it be traced? Per-tensor scaling of W, A and G, no clipping, no data-parallel amax sync or rank streams."
     return m.clip_k is None and all(q.granularity == "tensor" and not q.sync_amax and not q.sr_rank
                                     for r, q in m.quantizers().items() if r != "dw")
 
@@ -146,8 +146,8 @@ def book_traced(model: nn.Module):
     for name, m in quantized_layers(model):
         if not m._traced: continue
         if m._tq_w is None or m._tbox.grad is None:       # (dynamo fell back to eager, or no backward reached it)
-            raise RuntimeError(f"book_traced: layer {name} did not run traced forward and backward since prepare_traced;"
-                               " is the model compiled (compile=on) and did the backward reach the layer?")
+            raise RuntimeError(f"book_traced: layer {name} did not run traced forward and backward since "
+                               "prepare_traced; is the model compiled (compile=on) and did the backward reach the layer?")
         _book(m.qw, m._trec[0], m._tq_w, m.grid_scale if m.on_grid else None)
         _book(m.qa, m._trec[1], m._tq_a, None)
         _book(m.qg, m._tbox.grad, m._tgq.grad, None)
