@@ -8,20 +8,22 @@ import torch
 import torch.nn as nn
 from .scaling import amax_of, expand_scale
 from .grid import LANDINGS, land, regrid_scale, store_residual, update_stats
-from .quantized import QuantizedLinear, quantized_layers, sr_generator
+from . import quantized, block_gemm
+from .quantized import quantized_layers, sr_generator
 from .microscaling import quantize_blocks
-from .block_gemm import BlockLinear, grid_block_layers, land_block, block_grid_scale, block_grid_format
+from .block_gemm import grid_block_layers, land_block, block_grid_scale, block_grid_format
 
 # %% auto #0
 __all__ = ['step_layers', 'quant_pre_step', 'quant_post_step', 'decay_factors', 'absorb_landing_errors', 'GridStep']
 
 # %% ../nbs/24_step.ipynb #5e9a1c21
 def step_layers(model: nn.Module) -> tuple[list, list]:
-    "`(quantized_layers(model), grid_block_layers(model))` from one pass over the modules."
+    """`(quantized_layers(model), grid_block_layers(model))` from one pass over the modules (the classes are looked up
+    in their modules at each call, as those two do: a notebook may swap in its own class)."""
     q, b = [], []
     for n, m in model.named_modules():
-        if isinstance(m, QuantizedLinear): q.append((n, m))
-        if isinstance(m, BlockLinear) and m.master_weights == "format": b.append((n, m))
+        if isinstance(m, quantized.QuantizedLinear): q.append((n, m))
+        if isinstance(m, block_gemm.BlockLinear) and m.master_weights == "format": b.append((n, m))
     return q, b
 
 # %% ../nbs/24_step.ipynb #09a4f79d
