@@ -21,7 +21,7 @@ __all__ = ['GRAD_STATS', 'range_edges', 'quantization_stats', 'count_range', 'bi
 @lru_cache(maxsize=None)
 def range_edges(fmt: FP8Format) -> tuple[float, bool, float]:
     "`(over, tie_up, under)`: |y| > over (or == over when tie_up) overflows; 0 < |x| with |y| <= under underflows."
-    codes = fmt.code_values[:128]
+    codes = fmt.code_values[:2 ** (fmt.bits - 1)]                          # the non-negative codes (any width)
     max_code = codes.index(fmt.max_value)
     over = fmt.max_value + float(fmt.ulp(torch.tensor(fmt.max_value))) / 2   # midpoint to the next virtual value
     tiny = min(v for v in codes if math.isfinite(v) and v > 0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from collections import Counter
 from fastcore.basics import patch
 from .formats import _draw_seed, _kernel_params
 from .diagnostics import _edges
@@ -69,19 +70,20 @@ class _TracedLinearFn(torch.autograd.Function):
 
 @patch
 def _forward_traced(self: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    "`QuantizedLinear`'s training forward traced into the graph (state from `prepare_traced`, booked by `book_traced`)."
-    st, dev = self._tstate, x.device.type
-    wq, rw, cw = _operand_traced(self.weight, st["w"])
-    aq, ra, ca = _operand_traced(x, st["a"])
-    self._tq_w, self._tq_a = wq, aq                                 # (a side effect dynamo replays after the graph)
-    self._trec.copy_(torch.stack([torch.cat([rw, cw]), torch.cat([ra, ca])]))
-    g = st["g"]
-    args = (x, self.weight, self.bias, aq, wq, self._tbox, self._tgq, dict(p=g["p"], sr=g["sr"]),
-            *(g[k] for k in _GKEYS))
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        with torch.autocast(dev, enabled=False): return _TracedLinearFn.apply(*args).to(dt)
-    return _TracedLinearFn.apply(*args).to(x.dtype)
+    """`QuantizedLinear`'s training forward traced into the graph (state from `prepare_traced`, booked by `book_traced`):
+    W, A and the GEMM with autocast off, as eager's `_QuantizedLinearFn` runs them; the output in autocast's dtype."""
+    dev = x.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    with torch.autocast(dev, enabled=False):
+        st = self._tstate
+        wq, rw, cw = _operand_traced(self.weight, st["w"])
+        aq, ra, ca = _operand_traced(x, st["a"])
+        self._tq_w, self._tq_a = wq, aq                             # (a side effect dynamo replays after the graph)
+        self._trec.copy_(torch.stack([torch.cat([rw, cw]), torch.cat([ra, ca])]))
+        g = st["g"]
+        args = (x, self.weight, self.bias, aq, wq, self._tbox, self._tgq, dict(p=g["p"], sr=g["sr"]),
+                *(g[k] for k in _GKEYS))
+        return _TracedLinearFn.apply(*args).to(dt)
 
 # %% ../nbs/20b_traced.ipynb #69f0d664
 def _traced_ok(m: QuantizedLinear) -> bool:
@@ -92,10 +94,12 @@ def _traced_ok(m: QuantizedLinear) -> bool:
 def enable_traced(model: nn.Module, on: bool = True) -> dict[str, str]:
     """Choose each 8-bit layer's path under `torch.compile`: 'traced' into the graph where `_traced_ok`, else 'eager'
     (a graph break); block layers are 'block' (their own code, as before). Returns `{layer: path}` for the run's
-    record; `on=False` puts every layer on the eager path."""
-    out = {}
-    for name, m in quantized_layers(model):
-        m._traced = bool(on) and _traced_ok(m)
+    record; `on=False` puts every layer on the eager path. A traced layer must run once per forward (its state is
+    prepared for one call): one registered at two places in `model` stays eager; one that a custom forward calls
+    twice is not detected."""
+    out, seen = {}, Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    for name, m in quantized_layers(model):     # a layer registered twice (reused) runs twice a step: eager
+        m._traced = bool(on) and _traced_ok(m) and seen[id(m)] == 1
         out[name] = "traced" if m._traced else "eager"
     return out | {name: "block" for name, _ in block_layers(model)}
 
@@ -147,7 +151,8 @@ def book_traced(model: nn.Module):
         if not m._traced: continue
         if m._tq_w is None or m._tbox.grad is None:       # (dynamo fell back to eager, or no backward reached it)
             raise RuntimeError(f"book_traced: layer {name} did not run traced forward and backward since "
-                               "prepare_traced; is the model compiled (compile=on) and did the backward reach the layer?")
+                               "prepare_traced; is the model compiled (compile=on) and did the backward reach "
+                               "the layer?")
         _book(m.qw, m._trec[0], m._tq_w, m.grid_scale if m.on_grid else None)
         _book(m.qa, m._trec[1], m._tq_a, None)
         _book(m.qg, m._tbox.grad, m._tgq.grad, None)

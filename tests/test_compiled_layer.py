@@ -33,13 +33,26 @@ def _same_layers(ref, net):
             for k in ("last", "scale", "counts"):
                 assert torch.equal(getattr(qa, k), getattr(qb, k)), f"{n}.{r}.{k}"
             if qa.history is not None: assert torch.equal(qa.history.history, qb.history.history), f"{n}.{r} history"
-            assert (qa.total, qa._sr_n) == (qb.total, qb._sr_n), f"{n}.{r} counters"
+            assert (qa.total, qa._sr_n, int(qa.sr_count)) == (qb.total, qb._sr_n, int(qb.sr_count)), f"{n}.{r} counters"
         for (k, p), q in zip(a.named_parameters(), b.parameters()):
             assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), f"{n}.{k} grad"
 
 
-@pytest.mark.parametrize("fmt", list(FORMAT_REGISTRY))
+# every 8-bit format, and the 4-, 6- and 16-bit element formats as tensor-wise layers
+FORMATS = list(FORMAT_REGISTRY) + ["E2M1", "E2M3", "E3M2", "FP16", "BF16"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_bit_identical(fmt):
+    _twins(fmt)
+
+
+def test_bf16_autocast_bit_identical():
+    "Under CPU bf16 autocast: the traced layer quantizes with autocast off, as eager does, and returns bf16."
+    _twins("E4M3", autocast=torch.bfloat16)
+
+
+def _twins(fmt, autocast=None):
     ref = _stack(fmt); net = copy.deepcopy(ref)
     assert set(enable_traced(net).values()) == {"traced"}
     set_accumulation(ref, True); set_accumulation(net, True)
@@ -52,7 +65,10 @@ def test_every_format_bit_identical(fmt):
             for model, f, traced in ((ref, ref, False), (net, cnet, True)):
                 xx = x.clone().requires_grad_()
                 if traced: prepare_traced(model, x[..., 0])
-                (f(xx) * c).sum().backward()
+                with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                    y = f(xx)
+                assert y.dtype == (autocast or torch.float32)
+                (y.float() * c).sum().backward()
                 if traced: book_traced(model)
                 dx.append(xx.grad)
             assert torch.equal(*dx)
