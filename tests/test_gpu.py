@@ -429,16 +429,16 @@ def test_trainer_smoke(gpu_data, tmp_path, master_weights, weight_update):
 # ---------------------------------------------------------------- 7. the compiled step, no host reads
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_compiled_layer_bits(rounding):
-    """One `QuantizedLinear` per registered format under `torch.compile` on the device, two steps. The layer is excluded
-    from the graph (`torch.compiler.disable`: dynamo traces no graph of it, asserted), so this checks that `compile=on`
-    leaves the 8-bit layer's results the eager ones; compiling the 8-bit layer itself is not done yet."""
+    """One `QuantizedLinear` per registered format under `torch.compile` on the device, two steps, not chosen by
+    `traced.enable_traced`: it stays on the eager path (`torch.compiler.disable`: dynamo traces no graph of it,
+    asserted), and `compile=on` leaves its results the eager ones. The traced path: `test_traced_layer_bits`."""
     g = torch.Generator().manual_seed(0)
     x, gy = torch.randn(64, 96, generator=g).to(DEV), torch.randn(64, 80, generator=g).to(DEV)
     for name in FORMAT_REGISTRY:
         torch.manual_seed(1)
         eager = QuantizedLinear(96, 80, fmt=name, fmt_backward="E5M2", rounding=rounding, quantize_grads=True).to(DEV)
         comp = copy.deepcopy(eager); fn = torch.compile(comp)
-        assert torch._dynamo.explain(copy.deepcopy(eager))(x).graph_count == 0, "the 8-bit layer is now traced"
+        assert torch._dynamo.explain(copy.deepcopy(eager))(x).graph_count == 0, "a layer not chosen was traced"
         for step in range(2):
             outs = []
             for m in (eager, fn):
@@ -447,6 +447,47 @@ def test_compiled_layer_bits(rounding):
             for i, (a, b) in enumerate(zip(*outs)): same_bits(f"{name} {rounding} step {step} tensor {i}", b, a.cpu())
             eager.weight.grad = comp.weight.grad = None
     report(f"compiled_layer_bits[{rounding}]", formats=len(FORMAT_REGISTRY))
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_traced_layer_bits(autocast):
+    """The traced layer (`traced.enable_traced`, what `compile=on` trains with) against the eager layer on the device:
+    two layers (E4M3 forward, E5M2 backward; nearest/delayed, then stochastic/current), two steps of two micro-batches,
+    the same inputs and output gradients. Q of every operand, scales, histories, counts, stochastic-rounding counters,
+    dX and the parameters' gradients bit for bit."""
+    from altgrad.formats import KERNEL_OPTIONS
+    from altgrad.traced import enable_traced, prepare_traced, book_traced
+    torch.manual_seed(0)
+    kw = dict(fmt="E4M3", fmt_backward="E5M2", amax_history_len=4)
+    ref = torch.nn.Sequential(QuantizedLinear(64, 96, **kw),
+                              QuantizedLinear(96, 48, rounding="stochastic", scaling="current", **kw)).to(DEV)
+    net = copy.deepcopy(ref); assert set(enable_traced(net).values()) == {"traced"}
+    Q.set_accumulation(ref, True); Q.set_accumulation(net, True)
+    cnet = torch.compile(net, options=KERNEL_OPTIONS)
+    for step in range(2):
+        for k in range(2):
+            g = torch.Generator().manual_seed(10 * step + k)
+            x, c = torch.randn(4, 9, 64, generator=g).to(DEV), torch.randn(4, 9, 48, generator=g).to(DEV)
+            dx = []
+            for model, f, traced in ((ref, ref, False), (net, cnet, True)):
+                xx = x.clone().requires_grad_()
+                if traced: prepare_traced(model, x[..., 0])
+                with torch.autocast(DEV.split(":")[0], dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                    y = f(xx)
+                (y.float() * c).sum().backward()
+                if traced: book_traced(model)
+                dx.append(xx.grad)
+            same_bits(f"dX step {step}.{k}", dx[1], dx[0].cpu())
+        Q.commit_amax(ref); Q.commit_amax(net)
+        for (n, a), (_, b) in zip(quantized_layers(ref), quantized_layers(net)):
+            for r, qa in a.quantizers().items():
+                qb = b.quantizers()[r]
+                for key in ("last", "scale", "counts"): same_bits(f"{n}.{r}.{key}", getattr(qb, key), getattr(qa, key).cpu())
+                if qa.history is not None: same_bits(f"{n}.{r} history", qb.history.history, qa.history.history.cpu())
+                assert (qa.total, qa._sr_n, int(qa.sr_count)) == (qb.total, qb._sr_n, int(qb.sr_count)), f"{n}.{r}"
+            for (pn, p), q in zip(a.named_parameters(), b.parameters()): same_bits(f"{n}.{pn} grad", q.grad, p.grad.cpu())
+        for m in (ref, net): m.zero_grad()
+    report(f"traced_layer_bits[{'bf16' if autocast else 'fp32'}]", steps=2)
 
 
 def test_masked_lower_median():

@@ -73,7 +73,7 @@ def figure(runs_used, path, window: int = 25):
     panels = list(dict.fromkeys(w for _, w, _ in runs_used))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), sharey=True, squeeze=False)
     colors = dict(reference="black", E4M3="tab:gray", E2M1="tab:brown", mxfp8="tab:blue", mxfp6="tab:green",
-                  mxfp4="tab:orange", nvfp4="tab:red")
+                  mxfp4="tab:orange", nvfp4="tab:purple")
     for ax, panel in zip(axes[0], panels):
         for name, w, run in runs_used:
             if w != panel and name != "reference": continue
@@ -82,7 +82,7 @@ def figure(runs_used, path, window: int = 25):
             vx, vy = run.series("val/loss"); ax.plot(vx, vy, "o", color=colors.get(name), ms=3)
         ax.set_title(panel if panel == "FP32 master" else f"weights on the grid, {panel}", fontsize=9)
         ax.set_xlabel("step"); ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"train loss ({window}-step mean); dots: val"); axes[0][0].legend(fontsize=7)
+    axes[0][0].set_ylabel(f"train loss ({window}-step mean); dots: val"); axes[0][0].legend(fontsize=7, loc="lower left")
     fig.tight_layout(); fig.savefig(path, dpi=72); plt.close(fig)
 
 
@@ -146,7 +146,7 @@ def main(argv=None):
          if smoke else "The verdict column: final validation loss within 10% of the reference's."), "",
          NOTE.replace("\n", " ").replace("the 8 linear layers", f"the {4 * c.n_layer} linear layers"), ""]
     train_s = sum(r["train_s"] or 0 for r in rows)
-    L += table(rows, smoke) + ["", f"Made by `tools/block_sweep.py{'' if smoke else ' --preset ' + a.preset} --steps {a.steps}` (this call {time.time() - t0:.0f} s, "
+    L += table(rows, smoke) + ["", f"Made by `tools/block_sweep.py{'' if smoke else ' --runs RUNS --data DATA --preset ' + a.preset} --steps {a.steps}` (this call {time.time() - t0:.0f} s, "
                             f"finished runs of the same config reused{'' if a.reuse else ' (reference and tensor-wise)'}; "
                             f"the {len(rows)} runs in the table trained for {train_s:.0f} s in all, summed step times "
                             "on a CPU shared with other jobs).", ""]
