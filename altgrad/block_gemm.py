@@ -4,7 +4,7 @@
 
 # %% ../nbs/04e_block_gemm.ipynb #6ca72741
 from __future__ import annotations
-import math, types
+import math
 from dataclasses import dataclass, replace
 import torch
 from torch import nn
@@ -12,7 +12,7 @@ from fastcore.basics import patch
 from .formats import get_format, to_bits, compile_kernel, _compile_broken, _want_compiled
 from .grid import MASTER_WEIGHTS, RESIDUAL_DTYPES, get_landing, land, ratio_histogram
 from .microscaling import (BlockRecipe, Blocked, get_recipe, quantize_blocks, block_stats, _blocked,
-                                  _block_args, _block_kernel, _scales_of, _scale_code_range)
+                                  _block_args, _block_kernel, _compiled_copy, _scales_of, _scale_code_range)
 from .notice import notice
 
 # %% auto #0
@@ -304,8 +304,7 @@ def _compiled_quantize_counts(xv: torch.Tensor, r: BlockRecipe):
     if not _want_compiled(xv, None): return None
     key = (r.scale, r.scale_rounding, r.tensor_scale, str(xv.device))
     if key not in _compiled_counts:            # a copy of the code per key, as `_view_kernel`
-        code = _quantize_counts.__code__.replace(co_name=f"_quantize_counts_{len(_compiled_counts)}")
-        _compiled_counts[key] = compile_kernel(types.FunctionType(code, _quantize_counts.__globals__, code.co_name))
+        _compiled_counts[key] = _compiled_copy(_quantize_counts, len(_compiled_counts))
     for d in (1, 3): torch._dynamo.mark_static(xv, d)
     return _compiled_counts[key]
 
