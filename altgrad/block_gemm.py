@@ -75,7 +75,8 @@ def rotate_rows(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
 # %% ../nbs/04e_block_gemm.ipynb #3361b9a6
 def _operand(x, recipe, axis, rounding, gen, weight=False) -> torch.Tensor:
     "The values a GEMM multiplies: `x` block-quantized with `recipe` along `axis`."
-    return quantize_blocks(x, recipe, axis=axis, weight=weight, rounding=rounding, generator=gen).values
+    return quantize_blocks(x, recipe, axis=axis, weight=weight, rounding=rounding, generator=gen,
+                           elements=False).values
 
 # %% ../nbs/04e_block_gemm.ipynb #653ecd5d
 class _BlockGemmFn(torch.autograd.Function):
@@ -163,7 +164,7 @@ def on_block_grid(x: torch.Tensor, recipe, max_iter: int = 4) -> torch.Tensor:
     fixed point)."""
     r, q = get_recipe(recipe), x.detach().float()
     for _ in range(max_iter):
-        n = quantize_blocks(q, r, weight=True).values
+        n = quantize_blocks(q, r, weight=True, elements=False).values
         if torch.equal(n, q): break
         q = n
     return q

@@ -15,8 +15,8 @@ from .notice import notice
 
 # %% auto #0
 __all__ = ['SCALE_ROUNDINGS', 'RECIPES', 'BlockRecipe', 'register_recipe', 'get_recipe', 'e8m0_codes', 'e8m0_factors',
-           'ue4m3_scales', 'Blocked', 'quantize_blocks', 'peer_inputs', 'nvfp4_inputs', 'block_stats', 'element_scales',
-           'block_ulp']
+           'ue4m3_scales', 'Blocked', 'element_dtype', 'quantize_blocks', 'peer_inputs', 'nvfp4_inputs', 'block_stats',
+           'element_scales', 'block_ulp']
 
 # %% ../nbs/04d_microscaling.ipynb #203057a0
 SCALE_ROUNDINGS = {"UE8M0": ("floor", "ceil", "even", "rceil"), "UE4M3": ("nearest",)}   # the first is the default
@@ -175,17 +175,36 @@ def ue4m3_scales(amax: torch.Tensor, tensor_amax: torch.Tensor | None, elem, sca
 class Blocked(NamedTuple):
     "A block-quantized tensor: `values` = `elements` × their block's scale (× `tensor_scale`)."
     values: torch.Tensor                # float32, the input's shape: what a simulated GEMM multiplies
-    elements: torch.Tensor              # float32 on the element format's grid, the input's shape
+    packed: torch.Tensor | None         # the elements, exactly (compiled: `element_dtype`; eager: float32); or None
     scales: torch.Tensor                # E8M0 codes (uint8) or UE4M3 values (float32), (rows/t, K/block)
     tensor_scale: torch.Tensor | None   # NVFP4's FP32 per-tensor scale, else None
+
+    @property
+    def elements(self) -> torch.Tensor:
+        "The elements on the element format's grid, as float32 (exactly the values `packed` holds)."
+        if self.packed is None: raise ValueError("quantize_blocks(..., elements=False) kept no elements; "
+                                                 "call it with elements=True (the default) to have them")
+        return self.packed.float()
+
+def element_dtype(fmt) -> torch.dtype:
+    """The narrowest torch dtype that holds every finite value of element format `fmt` exactly: float8_e4m3fn (E4M3,
+    E2M3, E3M2, E2M1), float8_e5m2 (E5M2), else float32. Elements are clamped to the format's maximum, so a
+    finite grid is all they hold (NaN aside, which stays NaN)."""
+    v = get_format(fmt).values
+    v = torch.cat([-v, v])
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if torch.equal(v.to(dt).float(), v): return dt
+    return torch.float32
 
 # %% ../nbs/04d_microscaling.ipynb #0e102d91
 _ARGS: dict = {}
 
-def _block_args(r: BlockRecipe, device, tensors: bool = False) -> dict:
+def _block_args(r: BlockRecipe, device, tensors: bool = False, elements: bool = True) -> dict:
     """Everything `_block_kernel` needs to know of recipe `r`, as constants (cached per recipe and device): Python
-    numbers for the eager kernel; with `tensors`, every number a 0-d tensor, as the compiled kernel needs them."""
-    key = (r, str(device), tensors)
+    numbers for the eager kernel; with `tensors`, every number a 0-d tensor, as the compiled kernel needs them.
+    `store`: the dtype the elements are kept in (compiled: `element_dtype`; eager, the bit reference: float32, NaN
+    payloads and all), or None where only the values are wanted."""
+    key = (r, str(device), tensors, elements)
     if key not in _ARGS:
         fmt = get_format(r.elem)
         num = lambda v: torch.tensor(v, device=device, dtype=torch.float32 if isinstance(v, float) else torch.int32)
@@ -193,7 +212,7 @@ def _block_args(r: BlockRecipe, device, tensors: bool = False) -> dict:
         ep = (lambda f: _tensor_params(f, device)) if tensors else (lambda f: _fmt_args(f, device))
         a = dict(rounding=r.scale_rounding if r.scale == "UE8M0" else None, mx=num(fmt.max_value),
                  emax=num(_emax(fmt)), man=num(fmt.man_bits), ep=ep(fmt), tensor_scale=r.tensor_scale,
-                 one=torch.tensor(1.0, device=device))
+                 one=torch.tensor(1.0, device=device), store=(element_dtype(fmt) if tensors else torch.float32) if elements else None)
         if r.scale != "UE8M0":
             sf = get_format(r.scale); a.update(smin=num(sf.min_normal), smax=num(sf.max_value), sp=ep(sf))
         _ARGS[key] = a
@@ -230,6 +249,16 @@ def _block_kernel(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
     scales, md, eff, pts = _block_scales(xv, a)
     return (*_block_apply(xv, md, eff, a, seed), scales, pts)
 
+def _apply_stored(xv: torch.Tensor, md: torch.Tensor, eff: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
+    "`_block_apply` with the elements as kept (`a['store']`: cast exactly to that dtype, or None: not written)."
+    v, q = _block_apply(xv, md, eff, a, seed)
+    return v, (None if a["store"] is None else q.to(a["store"]))
+
+def _kernel_stored(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
+    "`_block_kernel` with the elements as kept (`_apply_stored`): what `quantize_blocks` runs."
+    scales, md, eff, pts = _block_scales(xv, a)
+    return (*_apply_stored(xv, md, eff, a, seed), scales, pts)
+
 # %% ../nbs/04d_microscaling.ipynb #f42fd996
 def _compiled_copy(f, n: int):
     "`compile_kernel` of a copy of `f`'s code named `<name>_<n>`: its own Dynamo cache and recompile limit."
@@ -237,9 +266,9 @@ def _compiled_copy(f, n: int):
     return compile_kernel(types.FunctionType(code, f.__globals__, code.co_name, f.__defaults__))
 
 def _two_graphs(n: int):
-    """`_block_kernel` as two compiled graphs, the per-block scales (`_block_scales`) and then the elementwise pass
-    (`_block_apply`) that reads them."""
-    scales_of, apply = _compiled_copy(_block_scales, n), _compiled_copy(_block_apply, n)
+    """`_kernel_stored` as two compiled graphs, the per-block scales (`_block_scales`) and then the elementwise pass
+    (`_apply_stored`) that reads them."""
+    scales_of, apply = _compiled_copy(_block_scales, n), _compiled_copy(_apply_stored, n)
     def kernel(xv, a, seed=None):
         scales, md, eff, pts = scales_of(xv, a)
         return (*apply(xv, md, eff, a, seed), scales, pts)
@@ -247,19 +276,19 @@ def _two_graphs(n: int):
 
 # %% ../nbs/04d_microscaling.ipynb #ff34016d
 def _view_kernel(xv: torch.Tensor, r: BlockRecipe, rounding: str, compiled: bool | None,
-                 split: bool = False):
-    """(kernel, its constants) for `xv`: the compiled `_block_kernel` of recipe `r` where `formats` would compile
+                 split: bool = False, elements: bool = True):
+    """(kernel, its constants) for `xv`: the compiled `_kernel_stored` of recipe `r` where `formats` would compile
     (`compiled=True`, or `ALTGRAD_COMPILE` auto and at least `COMPILE_MIN_NUMEL` elements), else the eager one. The
     block's two sizes are marked static (a graph per tile/block size, the rest dynamic), as indexing the block amax by a
     symbolic block size costs integer division per element. With `split`, two graphs: the scales, then the elementwise
-    pass (`_two_graphs`)."""
-    if not _want_compiled(xv, compiled): return _block_kernel, _block_args(r, xv.device)
-    key = (r.scale, r.scale_rounding, r.tensor_scale, str(xv.device), rounding, split)   # what shapes the graph
+    pass (`_two_graphs`). `elements=False`: the elements are not written (`_block_args`' `store`)."""
+    if not _want_compiled(xv, compiled): return _kernel_stored, _block_args(r, xv.device, elements=elements)
+    key = (r.scale, r.scale_rounding, r.tensor_scale, str(xv.device), rounding, split, elements)   # the graph's shape
     if key not in _compiled_view:              # a copy of the code per key: its own Dynamo cache and recompile limit
         n = len(_compiled_view)
-        _compiled_view[key] = _two_graphs(n) if split else _compiled_copy(_block_kernel, n)
+        _compiled_view[key] = _two_graphs(n) if split else _compiled_copy(_kernel_stored, n)
     for d in (1, 3): torch._dynamo.mark_static(xv, d)   # tile and block sizes static: no symbolic index per element
-    return _compiled_view[key], _block_args(r, xv.device, tensors=True)
+    return _compiled_view[key], _block_args(r, xv.device, tensors=True, elements=elements)
 
 # %% ../nbs/04d_microscaling.ipynb #ac4127cf
 def _blocked_rows(x2: torch.Tensor, r: BlockRecipe, weight: bool) -> torch.Tensor:
@@ -270,8 +299,10 @@ def _blocked_rows(x2: torch.Tensor, r: BlockRecipe, weight: bool) -> torch.Tenso
 
 # %% ../nbs/04d_microscaling.ipynb #d83ca67f
 def quantize_blocks(x: torch.Tensor, recipe, axis: int = -1, weight: bool = False, rounding: str = "nearest",
-                    generator: torch.Generator | None = None, compiled: bool | None = None) -> Blocked:
-    "Quantize `x` with block `recipe` along `axis` (the reduction dimension of the GEMM that reads it)."
+                    generator: torch.Generator | None = None, compiled: bool | None = None,
+                    elements: bool = True) -> Blocked:
+    """Quantize `x` with block `recipe` along `axis` (the reduction dimension of the GEMM that reads it).
+    `elements=False` leaves the elements out (`Blocked.packed` None): what a GEMM operand needs, one write less."""
     r = get_recipe(recipe)
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding={rounding!r} is not 'nearest' or 'stochastic'")
@@ -280,16 +311,16 @@ def quantize_blocks(x: torch.Tensor, recipe, axis: int = -1, weight: bool = Fals
     xt = xf.movedim(axis, -1); shape = xt.shape
     xv = _blocked_rows(xf, r, weight) if rows else _blocked(xt.reshape(-1, shape[-1]), r, weight)
     seed = _draw_seed(generator, xv.device) if rounding == "stochastic" else None
-    fn, a = _view_kernel(xv, r, rounding, compiled, split=rows)
+    fn, a = _view_kernel(xv, r, rounding, compiled, split=rows or elements, elements=elements)   # (see above)
     try: values, q, scales, pts = fn(xv, a, seed)
     except Exception as e:                 # no C++ compiler, unsupported device...: the eager kernel, once noticed
-        if fn is _block_kernel or compiled: raise
+        if fn is _kernel_stored or compiled: raise
         _compile_broken.append(repr(e))
         notice(f"torch.compile of the block quantizer failed ({type(e).__name__}); using the eager kernel")
-        values, q, scales, pts = _block_kernel(xv, _block_args(r, xv.device), seed)
-    if rows: return Blocked(values.reshape(xf.shape), q.reshape(xf.shape),
+        values, q, scales, pts = _kernel_stored(xv, _block_args(r, xv.device, elements=elements), seed)
+    if rows: return Blocked(values.reshape(xf.shape), q if q is None else q.reshape(xf.shape),
                             scales.reshape(xv.shape[0], xv.shape[2]).t().contiguous(), pts)
-    back = lambda t: t.reshape(shape).movedim(-1, axis)
+    back = lambda t: t if t is None else t.reshape(shape).movedim(-1, axis)
     return Blocked(back(values), back(q), scales.reshape(xv.shape[0], xv.shape[2]), pts)
 
 # %% ../nbs/04d_microscaling.ipynb #54bf5eac

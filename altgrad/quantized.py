@@ -152,17 +152,21 @@ class TensorQuantizer(nn.Module):
         if train: self._record(x, q, scale, amax, count_range(x, q, s, self.fmt))
         return q
 
+    def _history_input(self, scale) -> tuple[bool, torch.Tensor | None]:
+        """(whether a fused kernel scales from the amax history, and the history as it reads it: the window under
+        `max`, the newest entry repeated under `most_recent`; None when it does not). The traced layer reads it too."""
+        if not (scale is None and self.delayed and self.history.initialized): return False, None
+        h, n, w = self.history.history, self.history._n, self.history.window
+        return True, (h if self.history.algo == "max" else h[(n - 1) % w].repeat(w))
+
     def _quantize_fused(self, x: torch.Tensor, train: bool, scale, gen) -> torch.Tensor | None:
         """`quantize` for per-tensor scaling in one compiled call: scale (from the history or `x`), Q, range counts,
         amax.
         None if compiling failed (then nothing was recorded, and the caller takes the general path)."""
         dev = x.device
         w = self.history.window if self.history is not None else 1
-        use_hist = scale is None and self.delayed and self.history.initialized
-        if use_hist:
-            h, n = self.history.history, self.history._n
-            hist = h if self.history.algo == "max" else h[(n - 1) % w].repeat(w)
-        else: hist = _const(("zeros", w, dev), lambda: torch.zeros(w, device=dev))
+        use_hist, hist = self._history_input(scale)
+        if hist is None: hist = _const(("zeros", w, dev), lambda: torch.zeros(w, device=dev))
         target = _const((self.fmt, self.margin, dev),
                         lambda: torch.tensor(self.fmt.max_value / 2.0 ** self.margin, dtype=torch.float32, device=dev))
         one = _const(("one", dev), lambda: torch.ones((), device=dev))

@@ -107,10 +107,8 @@ def enable_traced(model: nn.Module, on: bool = True) -> dict[str, str]:
 def _prepare_operand(q: TensorQuantizer, st: dict, scale):
     "What eager's training `quantize` reads before quantizing, into the operand's state tensors (`_operand_state`)."
     if st["sr"]: st["seed"].copy_(_draw_seed(q._generator(True), st["seed"].device))
-    use_hist = scale is None and q.delayed and q.history.initialized
-    if use_hist:
-        h, n, w = q.history.history, q.history._n, q.history.window
-        st["hist"].copy_(h if q.history.algo == "max" else h[(n - 1) % w].repeat(w))
+    use_hist, hist = q._history_input(scale)
+    if use_hist: st["hist"].copy_(hist)
     st["use_hist"].fill_(use_hist); st["use_given"].fill_(scale is not None)
     st["given"].copy_(scale.reshape(())) if scale is not None else st["given"].fill_(1.0)
     st["prev"].copy_(q.scale) if q.scale.dim() == 0 else st["prev"].fill_(1.0)

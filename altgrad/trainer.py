@@ -577,7 +577,8 @@ def _summary(self: Trainer, reason, start_step: int, seconds: float, perf: list)
         shadow_time=statistics.median(p[1] for p in perf) if perf and self.shadow is not None else None,
         device=self.device, autocast=str(self.amp_dtype).replace("torch.", "") if self.amp_dtype else None,
         compiled=self.compiled,                             # which step ran: `compile` resolved ('auto': by device)
-        **({"layer_paths": self.layer_paths} if self.compiled else {}),   # compiled: each 8-bit layer traced or eager
+        **({"layer_paths": self.layer_paths,                       # compiled: each 8-bit layer traced or eager,
+            "compile_options": dict(KERNEL_OPTIONS) if self.traced else {}} if self.compiled else {}),   # and Inductor's options
         **device_info(self.device),
         world_size=self.world, global_batch=self.global_batch,
         fmt=cfg.fmt, num_params=self.model.num_params(),

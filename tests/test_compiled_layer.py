@@ -5,7 +5,7 @@ whole, eager and compiled fed the same inputs and output gradients. Per update r
 its 8-bit layers compiled one by one (so that nothing else in the model is compiled and every input to a layer is the
 same), three steps: every logged metric, every parameter (landed weights) and buffer (residuals, grid scales, amax
 histories, scales) equal bit for bit. And a whole-model compiled run records which path each layer took."""
-import copy, math
+import copy, json, math
 import pytest
 import torch
 import torch.nn as nn
@@ -116,6 +116,8 @@ def test_compiled_run_records_layer_paths(small_data, tmp_path):
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}     # the training step: one graph, no break
     s = t.fit()                                           # (evaluation: the layers run eager, a break each)
     assert s["compiled"] and set(s["layer_paths"].values()) == {"traced"} and len(s["layer_paths"]) == 8
+    assert s["compile_options"] == KERNEL_OPTIONS and json.loads((t.run_dir / "summary.json").read_text())[
+        "compile_options"] == KERNEL_OPTIONS
     assert math.isfinite(s["final_train_loss"])
     off = Trainer(load_config("smoke", fmt="E4M3", max_steps=1, data_dir=str(small_data), out_dir=str(tmp_path / "e"),
                               wandb_mode="disabled", interventions=True, compile=True), progress=False)
