@@ -216,7 +216,12 @@ class TensorQuantizer(nn.Module):
 
     def set_format(self, fmt):
         "Switch to another format (the amax history stays: amaxes do not depend on the format)."
-        self.fmt = get_format(fmt)
+        f = get_format(fmt)
+        if not f.signed:                    # UE8M0, UE4M3: what MX and NVFP4 store their block scales in
+            raise ValueError(f"{f.name} is an unsigned scale format, not an element format: a GEMM operand has signs. "
+                             f"Use a signed format ({', '.join(n for n, g in ALL_FORMATS.items() if g.signed)}) or a "
+                             f"block recipe that scales its blocks with it (e.g. mxfp8, nvfp4)")
+        self.fmt = f
         self.qfmt = saturating(self.fmt) if self.saturate else self.fmt   # what the casts use
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
