@@ -20,6 +20,9 @@ the device under test, and compares:
 5. `resolve_device`/`autocast_dtype` of device='auto', precision='auto': 'cuda' and bfloat16.
 6. A 5-step `Trainer` smoke run on the device (E4M3, FP32 master weights; and weights on the grid with stochastic
    landing): finite loss; the grid run's weights are still on the format's grid.
+7. The compiled step: layers under `torch.compile`, eager and traced, give the eager layer's bits.
+8. Block formats: `quantize_blocks` (eager: every recipe, scale rounding, 1-D/2-D, axis, rounding; compiled: mxfp8 and
+   nvfp4, nearest) bit for bit against the CPU; torchao's `to_mx` on the device against it (when torchao is installed).
 
 Run: `python -m pytest tests/test_gpu.py -m gpu -q` (skipped without CUDA). Data for 6: `ALTGRAD_GPU_DATA=<prepared
 eurlex folder>`, else the `small_data` fixture (tokenizes from `ALTGRAD_SHARED_DATA`). `ALTGRAD_GPU_REPORT=<file>`
@@ -501,3 +504,65 @@ def test_masked_lower_median():
         got = masked_lower_median(x.to(DEV), mask.to(DEV), z.to(DEV)).cpu()
         assert torch.equal(got, want), (n, got, want)
     report("masked_lower_median", sizes=5)
+
+
+# ---------------------------------------------------------------- 8. block formats (MX, NVFP4)
+def _block_cases():
+    "Every registered recipe under every scale rounding it accepts, 1-D blocks and 2-D weight tiles (test_block_kernel's)."
+    from dataclasses import replace
+    from altgrad.microscaling import RECIPES, SCALE_ROUNDINGS
+    for name, r in RECIPES.items():
+        for sr in SCALE_ROUNDINGS[r.scale]:
+            for tiles in (False, True): yield f"{name}/{sr}/{'2d' if tiles else '1d'}", replace(r, scale_rounding=sr, weight_tiles=tiles)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_block_quantize_bits(compiled):
+    """`quantize_blocks` on the device against the CPU's eager kernel: values, elements, scales and tensor scale bit for
+    bit (NaN positions must agree, payloads aside), on the adversarial blocks of `tests/test_block_kernel.py` with inf,
+    NaN and -0, 1-D and 2-D blocks, both axes. Eager: every recipe and scale rounding, nearest and stochastic (the same
+    seed: the noise is a hash of it). Compiled: mxfp8 (FLOOR) and nvfp4, nearest (a few graphs: each costs a
+    compilation, and the GPU session gives this file under two minutes; the CPU runs every compiled case in
+    `tests/test_block_kernel*.py`)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_block_kernel import _inputs
+    from altgrad.microscaling import quantize_blocks
+    figs, cases = dict(elements=0, tensors=0, nan=0, nan_bit_diff=0), 0
+    for key, r in _block_cases():
+        if compiled and key not in ("mxfp8/floor/1d", "mxfp8/floor/2d", "nvfp4/nearest/1d", "nvfp4/nearest/2d"): continue
+        x = _inputs(r)
+        for rounding in (("nearest",) if compiled else ("nearest", "stochastic")):
+            for ax in (-1, 0):
+                xi = x if ax == -1 else x.T.contiguous()
+                ref = quantize_blocks(xi, r, ax, r.weight_tiles, rounding, torch.Generator().manual_seed(7), compiled=False)
+                got = quantize_blocks(xi.to(DEV), r, ax, r.weight_tiles, rounding, torch.Generator().manual_seed(7),
+                                      compiled=compiled)
+                for what in ("values", "elements", "scales", "tensor_scale"):
+                    a, b = getattr(got, what), getattr(ref, what)
+                    if b is None: assert a is None, f"{key} {what}"; continue
+                    f = same_bits(f"{key} {rounding} axis{ax} {what}", a, b)
+                    figs["tensors"] += 1; figs["nan"] += f["nan"]; figs["nan_bit_diff"] += f["nan_bit_diff"]
+                figs["elements"] += xi.numel(); cases += 1
+    report(f"block_quantize_bits[{'compiled' if compiled else 'eager'}]", cases=cases, **figs)
+
+
+def test_block_quantize_matches_torchao_on_the_device():
+    """torchao's MX quantizer (`to_mx`, FLOOR scales) on the device against `quantize_blocks` on the device: E8M0 scale
+    codes and element codes equal for every MX recipe with 8- and 6-bit elements, on the peer inputs of 04d (skipped
+    without torchao; 04d runs the same comparison on the CPU with FLOOR, CEIL, EVEN and RCEIL, and FP4)."""
+    tao = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode as SCM
+    from altgrad.formats import get_format, to_bits
+    from altgrad.microscaling import get_recipe, peer_inputs, quantize_blocks
+    elem = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
+    checked = 0
+    for name in ("mxfp8", "mxfp8_e5m2"):
+        r = get_recipe(name); xs = peer_inputs(32, elem_max=get_format(r.elem).max_value).to(DEV)
+        ours = quantize_blocks(xs, name)
+        s, d = tao.to_mx(xs, elem[r.elem], 32, SCM.FLOOR)
+        same_bits(f"{name} scales", ours.scales.reshape(-1), s.view(torch.uint8).reshape(-1))
+        same_bits(f"{name} elements", to_bits(ours.elements.cpu(), r.elem).reshape(-1),
+                  to_bits(d.float().cpu(), r.elem).reshape(-1))
+        checked += xs.numel()
+    report("block_quantize_torchao", elements=checked)

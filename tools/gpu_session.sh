@@ -1,6 +1,7 @@
 #!/bin/bash
 # The GPU experiment in one lease of a GPU machine (the device tool's `run`), from the repository root:
-#   carry: .whl (wheels of what the machine lacks), .gpu (the tiktoken cache), outputs/gpu/_data (the prepared EurLex data)
+#   carry: .whl (wheels of what the machine lacks; torchao's among them turns on test_gpu's torchao check of the MX
+#   quantizer), .gpu (the tiktoken cache), outputs/gpu/_data (the prepared EurLex data)
 #   1. the gpu-marked tests (CUDA bit-exactness, the compiled layer included), 2. the host syncs of one step
 #   (tools/host_reads.py), 3. the benchmarks (quantize; the 8-bit step vs the BF16 step, eager and compiled; runs per
 #   hour against concurrent runs), 4. the requirements' experiment at the gpu preset (tools/gpu_experiment.py) if time is left
