@@ -17,6 +17,7 @@ from .data import prepare_eurlex, shared_data_dir
 from .regimes import UPDATE_REGIMES
 from .runs import read_summary
 from .trainer import Trainer, device_info
+from .quantized import TensorQuantizer
 
 # %% auto #0
 __all__ = ['COMPILE_PROBE', 'BYTES_PER_ELEMENT', 'BLOCK_TARGET', 'DEFAULT_REGIMES', 'REGIME_TARGETS', 'TRAIN_TARGET',
@@ -103,8 +104,8 @@ def bench_blocks(numel: int = 16 * 2**20, recipes=("mxfp8", "mxfp6", "mxfp4", "n
     for n in recipes:
         el = get_format(get_recipe(n).elem)
         t = time.perf_counter(); quantize_blocks(x, n); compile_s[n] = round(time.perf_counter() - t, 2)
-        s = el.max_value / x.abs().amax()
-        fns[f"{n}/tensor"] = lambda el=el: quantize(x, el, scale=el.max_value / x.abs().amax())
+        s, tq = el.max_value / x.abs().amax(), TensorQuantizer(el, scaling="current").to(device)
+        fns[f"{n}/tensor"] = lambda tq=tq: tq.quantize(x)      # a tensor-wise operand: amax, scale, Q in one call
         fns[f"{n}/tensor_kernel"] = lambda el=el, s=s: quantize(x, el, scale=s)      # its scale given: no amax
         fns[n] = lambda n=n: quantize_blocks(x, n)
     t = time_side_by_side(fns, repeats=repeats, sync=_sync_for(device))

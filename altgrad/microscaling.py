@@ -173,7 +173,12 @@ def ue4m3_scales(amax: torch.Tensor, tensor_amax: torch.Tensor | None, elem, sca
 
 # %% ../nbs/04d_microscaling.ipynb #55e552b5
 class Blocked(NamedTuple):
-    "A block-quantized tensor: `values` = `elements` × their block's scale (× `tensor_scale`)."
+    """A block-quantized tensor: `values` = `elements` × their block's scale (× `tensor_scale`).
+
+    The second field is `packed` (it was `elements`, float32, until the compiled kernel began to keep the elements in
+    one byte): the elements as the kernel kept them, float32 from the eager kernel, `element_dtype` from the compiled
+    one, None with `elements=False`. Read them as `b.elements`, always float32; compiled, each read is a new tensor
+    (a conversion), eager it is `packed` itself. Build or `_replace` a `Blocked` with `packed=`."""
     values: torch.Tensor                # float32, the input's shape: what a simulated GEMM multiplies
     packed: torch.Tensor | None         # the elements, exactly (compiled: `element_dtype`; eager: float32); or None
     scales: torch.Tensor                # E8M0 codes (uint8) or UE4M3 values (float32), (rows/t, K/block)
@@ -186,10 +191,15 @@ class Blocked(NamedTuple):
                                                  "call it with elements=True (the default) to have them")
         return self.packed.float()
 
-def element_dtype(fmt) -> torch.dtype:
-    """The narrowest torch dtype that holds every finite value of element format `fmt` exactly: float8_e4m3fn (E4M3,
-    E2M3, E3M2, E2M1), float8_e5m2 (E5M2), else float32. Elements are clamped to the format's maximum, so a
-    finite grid is all they hold (NaN aside, which stays NaN)."""
+def element_dtype(fmt, device=None) -> torch.dtype:
+    """The one-byte float dtype that holds every finite value of element format `fmt` exactly, float8_e4m3fn (E4M3,
+    E2M3, E3M2, E2M1, UE4M3) or float8_e5m2 (E5M2); float32 where neither does (E3M4, FP16, ...) and on a `device`
+    whose compiler may not emit float8 (a CUDA GPU before compute capability 8.9, whose Triton refuses fp8e4nv; any
+    device but the CPU and CUDA). Elements are clamped to the format's maximum, so a finite grid is all they hold; a
+    NaN element stays NaN, its sign and payload aside."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9)):
+        return torch.float32
     v = get_format(fmt).values
     v = torch.cat([-v, v])
     for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -212,7 +222,8 @@ def _block_args(r: BlockRecipe, device, tensors: bool = False, elements: bool = 
         ep = (lambda f: _tensor_params(f, device)) if tensors else (lambda f: _fmt_args(f, device))
         a = dict(rounding=r.scale_rounding if r.scale == "UE8M0" else None, mx=num(fmt.max_value),
                  emax=num(_emax(fmt)), man=num(fmt.man_bits), ep=ep(fmt), tensor_scale=r.tensor_scale,
-                 one=torch.tensor(1.0, device=device), store=(element_dtype(fmt) if tensors else torch.float32) if elements else None)
+                 one=torch.tensor(1.0, device=device),
+                 store=(element_dtype(fmt, device) if tensors else torch.float32) if elements else None)
         if r.scale != "UE8M0":
             sf = get_format(r.scale); a.update(smin=num(sf.min_normal), smax=num(sf.max_value), sp=ep(sf))
         _ARGS[key] = a

@@ -122,3 +122,4 @@ def test_compiled_run_records_layer_paths(small_data, tmp_path):
     off = Trainer(load_config("smoke", fmt="E4M3", max_steps=1, data_dir=str(small_data), out_dir=str(tmp_path / "e"),
                               wandb_mode="disabled", interventions=True, compile=True), progress=False)
     assert set(off.layer_paths.values()) == {"eager"} and not off.traced
+    assert off.fit()["compile_options"] == {}             # no traced layer: the graph compiled with Inductor's defaults

@@ -3,6 +3,7 @@
     PYTHONPATH=/path/to/reference python tools/bit_identity.py run --out ref.json
     PYTHONPATH=.                  python tools/bit_identity.py run --out new.json
     python tools/bit_identity.py compare ref.json new.json
+    ... run --blocks [--always] --out ...: the block recipes instead (FP32 master weights and on the block grid)
 
 Each regime trains the `smoke` preset for `--steps` steps on E4M3 and E7M0 (one thread, eager kernels unless `--compiled`),
 once from the regime's flat config keys (`master_weights`, `weight_update`, `optimizer`, `residual_dtype`: how every
@@ -98,6 +99,24 @@ def run(out: Path, data: Path, steps: int, only: list | None = None, stage: str 
     return res
 
 
+BLOCK_RECIPES = ("mxfp8", "mxfp6", "mxfp4", "nvfp4")
+BLOCK_WEIGHTS = (("fp32", "nearest"), ("format", "nearest"), ("format", "stochastic"))
+
+
+def run_blocks(out: Path, data: Path, steps: int) -> dict:
+    "Every block recipe with FP32 master weights and on its block grid (nearest, stochastic), every step's metrics."
+    import torch
+    torch.set_num_threads(1)
+    res = {}
+    for r in BLOCK_RECIPES:
+        for mw, wu in BLOCK_WEIGHTS:
+            res[f"{r}/{mw}/{wu}"] = train({"fmt": r, "master_weights": mw, "weight_update": wu}, data, steps, metrics=True)
+            print(r, mw, wu, res[f"{r}/{mw}/{wu}"]["model"][:16], file=sys.stderr, flush=True)
+    out.write_text(json.dumps(dict(code=os.environ.get("PYTHONPATH", ""), steps=steps, blocks=True,
+                                   compile=os.environ.get("ALTGRAD_COMPILE", "auto"), hashes=res), indent=1) + "\n")
+    return res
+
+
 def compare(ref: Path, new: Path) -> int:
     "Every hash of `new` against the reference's hash of the same regime and format (named runs against the flat reference)."
     a, b = json.loads(ref.read_text())["hashes"], json.loads(new.read_text())["hashes"]
@@ -117,6 +136,10 @@ def main(argv=None) -> int:
     r = sub.add_parser("run"); r.add_argument("--out", required=True); r.add_argument("--steps", type=int, default=8)
     r.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "altgrad_bit_identity_data"))
     r.add_argument("--compiled", action="store_true", help="compiled kernels (default: ALTGRAD_COMPILE=never)")
+    r.add_argument("--always", action="store_true", help="compiled kernels on every tensor, small ones included "
+                   "(ALTGRAD_COMPILE=always; --compiled leaves `auto`, which keeps the smoke preset's tensors eager)")
+    r.add_argument("--blocks", action="store_true", help="the block recipes (mxfp8, mxfp6, mxfp4, nvfp4) with FP32 "
+                   "master weights and on their block grid (nearest, stochastic), every step's metrics, instead of the regimes")
     r.add_argument("--only", nargs="*", help="these regimes only")
     r.add_argument("--metrics", action="store_true", help="also record every step's logged metrics (shadow on; flat keys only)")
     r.add_argument("--stage", choices=("whole", "half", "rest"), default="whole",
@@ -125,8 +148,13 @@ def main(argv=None) -> int:
     c = sub.add_parser("compare"); c.add_argument("ref"); c.add_argument("new")
     a = p.parse_args(argv)
     if a.cmd == "compare": return compare(Path(a.ref), Path(a.new))
-    if not a.compiled: os.environ["ALTGRAD_COMPILE"] = "never"
+    if a.always: os.environ["ALTGRAD_COMPILE"] = "always"
+    elif not a.compiled: os.environ["ALTGRAD_COMPILE"] = "never"
     if a.stage != "whole" and not a.ckpt: p.error("--stage half/rest needs --ckpt")
+    if a.blocks:
+        if a.stage != "whole" or a.only or a.metrics: p.error("--blocks takes none of --stage, --only, --metrics")
+        run_blocks(Path(a.out), data_dir(Path(a.data)), a.steps)
+        return 0
     run(Path(a.out), data_dir(Path(a.data)), a.steps, a.only, a.stage, Path(a.ckpt) if a.ckpt else None, a.metrics)
     return 0
 
