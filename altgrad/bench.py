@@ -97,7 +97,8 @@ BLOCK_TARGET = 1.5      # goal: quantize_blocks over the tensor-wise quantize of
 
 def bench_blocks(numel: int = 16 * 2**20, recipes=("mxfp8", "mxfp6", "mxfp4", "nvfp4"), repeats: int = 7,
                  device: str | None = None, seed: int = 0) -> dict:
-    "Time `quantize_blocks` of each recipe against the tensor-wise `quantize` of its element format, side by side."
+    """Time `quantize_blocks` of each recipe against the library's tensor-wise quantizer of its element format (amax,
+    scale and rounding in one call) and against the tensor-wise kernel alone (its scale given), side by side."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     x = torch.randn(numel // 1024, 1024, generator=torch.Generator().manual_seed(seed)).to(device)
     fns, compile_s = {}, {}

@@ -8,8 +8,8 @@ import math, types
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 import torch
-from .formats import (get_format, quantize, to_bits, compile_kernel, _compile_broken, _kernel_params,
-                             _kernel_nearest, _kernel_stochastic, _draw_seed, _tensor_params,
+from .formats import (ALL_FORMATS, get_format, quantize, to_bits, compile_kernel, _compile_broken,
+                             _kernel_params, _kernel_nearest, _kernel_stochastic, _draw_seed, _tensor_params,
                              _want_compiled)
 from .notice import notice
 
@@ -40,7 +40,9 @@ class BlockRecipe:
 # %% ../nbs/04d_microscaling.ipynb #83b6327e
 def _check_recipe(r: BlockRecipe) -> None:
     "Raise a ValueError that names the bad field of `r`, its valid values and the fix."
-    get_format(r.elem)                                     # names the registered formats on a bad name
+    if not get_format(r.elem).signed:                      # (a bad name: the registered formats are named)
+        raise ValueError(f"{r.name}: elem={r.elem!r} is an unsigned scale format; a block's elements have signs: "
+                         f"choose a signed format ({', '.join(n for n, f in ALL_FORMATS.items() if f.signed)})")
     if r.scale not in SCALE_ROUNDINGS:
         raise ValueError(f"{r.name}: scale={r.scale!r} is not a block-scale format; "
                          f"choose one of {list(SCALE_ROUNDINGS)}")

@@ -549,8 +549,9 @@ def test_block_quantize_bits(compiled):
 
 def test_block_quantize_matches_torchao_on_the_device():
     """torchao's MX quantizer (`to_mx`, FLOOR scales) on the device against `quantize_blocks` on the device: E8M0 scale
-    codes and element codes equal for every MX recipe with 8- and 6-bit elements, on the peer inputs of 04d (skipped
-    without torchao; 04d runs the same comparison on the CPU with FLOOR, CEIL, EVEN and RCEIL, and FP4)."""
+    codes and element codes equal for the MX recipes with 8-bit elements (mxfp8, mxfp8_e5m2), on the peer inputs of
+    04d (skipped without torchao; 04d runs the same comparison on the CPU with FLOOR, CEIL, EVEN and RCEIL, FP6 and
+    FP4)."""
     tao = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     from torchao.prototype.mx_formats.config import ScaleCalculationMode as SCM
     from altgrad.formats import get_format, to_bits

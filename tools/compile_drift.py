@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 def curves(preset: str, fmt, steps: int, data_dir: str, seed: int = 0) -> dict[str, list[float]]:
-    "Training losses of an eager and a compiled trainer of `fmt` (None: plain), steps interleaved, the same seed."
+    "Training losses of an eager and a compiled trainer of `fmt` (None: plain), the same seed and batches, one after the other."
     import torch
     from altgrad.config import load_config
     from altgrad.trainer import Trainer
@@ -49,7 +49,12 @@ def main(argv=None) -> int:
         res[f] = dict(drift(c), loss={k: [round(x, 6) for x in v] for k, v in c.items()})
         print(f, {k: v for k, v in res[f].items() if k != "loss"}, file=sys.stderr, flush=True)
     import torch
-    out = dict(made_by=f"python tools/compile_drift.py --preset {a.preset} --steps {a.steps} --fmts {a.fmts}",
+    import os, subprocess
+    code = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                          text=True).stdout.strip()
+    out = dict(made_by=f"python tools/compile_drift.py --preset {a.preset} --steps {a.steps} --fmts {a.fmts}"
+                       + (f" --data-dir {a.data_dir}" if a.data_dir else " (data: 200 EurLex documents, altgrad.bench)"),
+               code=code, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(),
                torch=torch.__version__, threads=1, seconds=round(time.time() - t0, 1), drift=res)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(out, indent=1)        # each loss curve on one line
