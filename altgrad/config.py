@@ -10,9 +10,10 @@ from pathlib import Path
 import yaml
 import torch
 import altgrad                                       # the package folder: presets/, research.yaml
-from .formats import ALL_FORMATS, get_format
+from .formats import element_format, get_format
 from .regimes import UPDATE_REGIMES, UpdateRegime, regime_name, settings_of   # (nbs/04c_regimes: below this notebook)
-from .block_gemm import canonical_format, is_block_format, get_gemm_config, GEMM_CONFIGS   # (nbs/04e_block_gemm: below this notebook)
+from .block_gemm import (canonical_format, is_block_format, get_gemm_config,   # (nbs/04e_block_gemm: below
+                                GEMM_CONFIGS)                                          # this notebook)
 
 # %% auto #0
 __all__ = ['BLOCK_FIXED_KEYS', 'REGIME_KEYS', 'KEY_DOCS', 'RENAMED_KEYS', 'KEY_ALIASES', 'BACKWARD_DEFAULTS', 'PRESETS',
@@ -252,14 +253,11 @@ def _coerce(key: str, value, tp):
 
 # %% ../nbs/05_config.ipynb #de473e73
 def _check_format(key: str, name) -> str | None:
-    "Error message if `name` is neither a registered element format nor a block recipe (04e_block_gemm)."
+    "Error message if `name` is neither an element format (`formats.element_format`) nor a block recipe (04e_block_gemm)."
     if not isinstance(name, str): return f"{key} must be a format name (str), got {name!r}"
-    try: canonical_format(name)
+    also = f" or a block recipe ({', '.join(GEMM_CONFIGS)})"
+    try: is_block_format(canonical_format(name)) or element_format(name, also)
     except ValueError as e: return f"{key}={name!r}: {e}"
-    if not is_block_format(name) and not get_format(name).signed:
-        return (f"{key}={name!r} is an unsigned scale format (MX and NVFP4 block scales), not a layer format: use a "
-                f"signed format ({', '.join(n for n, f in ALL_FORMATS.items() if f.signed)}) or a block recipe "
-                f"({', '.join(GEMM_CONFIGS)})")
     return None
 
 # %% ../nbs/05_config.ipynb #fda59b30

@@ -13,9 +13,9 @@ from .notice import notice
 # %% auto #0
 __all__ = ['FP8Format', 'FORMAT_REGISTRY', 'ALL_FORMATS', 'E5M2', 'E4M3', 'E3M4', 'E1M6', 'E0M7', 'E7M0', 'E2M5', 'E6M1',
            'E4M3_NAN', 'E2M1', 'E2M3', 'E3M2', 'FP16', 'BF16', 'UE8M0', 'UE4M3', 'COMPILE_MIN_NUMEL', 'KERNEL_OPTIONS',
-           'FloatFormat', 'register_format', 'get_format', 'grid_equivalent', 'equivalent_formats', 'quantize_integer',
-           'compile_mode', 'compile_kernel', 'quantize', 'to_bits', 'from_bits', 'adversarial_inputs',
-           'reference_quantize', 'sr_generator', 'saturating', 'quantize_ste']
+           'FloatFormat', 'register_format', 'get_format', 'element_format', 'grid_equivalent', 'equivalent_formats',
+           'quantize_integer', 'compile_mode', 'compile_kernel', 'quantize', 'to_bits', 'from_bits',
+           'adversarial_inputs', 'reference_quantize', 'sr_generator', 'saturating', 'quantize_ste']
 
 # %% ../nbs/01_formats.ipynb #616a0047
 _SPECIALS = ("ieee", "fn", "finite")
@@ -158,6 +158,17 @@ def get_format(fmt) -> FloatFormat:
     if key not in ALL_FORMATS:
         raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(ALL_FORMATS)} (register_format adds one)")
     return ALL_FORMATS[key]
+
+# %% ../nbs/01_formats.ipynb #3ab572e5
+def element_format(fmt, also: str = "") -> FloatFormat:
+    """`get_format(fmt)` for the elements of a GEMM operand: an unsigned format (UE8M0, UE4M3: what MX and NVFP4 store
+    block scales in) is refused, naming the signed ones; `also` adds the caller's other choices to the message."""
+    f = get_format(fmt)
+    if not f.signed:
+        raise ValueError(f"{f.name} is an unsigned scale format (MX and NVFP4 block scales), not an element format: a "
+                         f"GEMM operand has signs. Use a signed format "
+                         f"({', '.join(n for n, g in ALL_FORMATS.items() if g.signed)}){also}")
+    return f
 
 # %% ../nbs/01_formats.ipynb #abc7d9f8
 E2M1 = register_format(FloatFormat("E2M1", 2, 1, 1), sweep=False)                          # FP4

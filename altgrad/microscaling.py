@@ -8,7 +8,7 @@ import math, types
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 import torch
-from .formats import (ALL_FORMATS, get_format, quantize, to_bits, compile_kernel, _compile_broken,
+from .formats import (element_format, get_format, quantize, to_bits, compile_kernel, _compile_broken,
                              _kernel_params, _kernel_nearest, _kernel_stochastic, _draw_seed, _tensor_params,
                              _want_compiled)
 from .notice import notice
@@ -40,9 +40,8 @@ class BlockRecipe:
 # %% ../nbs/04d_microscaling.ipynb #83b6327e
 def _check_recipe(r: BlockRecipe) -> None:
     "Raise a ValueError that names the bad field of `r`, its valid values and the fix."
-    if not get_format(r.elem).signed:                      # (a bad name: the registered formats are named)
-        raise ValueError(f"{r.name}: elem={r.elem!r} is an unsigned scale format; a block's elements have signs: "
-                         f"choose a signed format ({', '.join(n for n, f in ALL_FORMATS.items() if f.signed)})")
+    try: element_format(r.elem)                            # (a bad or unsigned name: the valid ones are named)
+    except ValueError as e: raise ValueError(f"{r.name}: elem={r.elem!r}: {e}") from None
     if r.scale not in SCALE_ROUNDINGS:
         raise ValueError(f"{r.name}: scale={r.scale!r} is not a block-scale format; "
                          f"choose one of {list(SCALE_ROUNDINGS)}")
@@ -262,15 +261,19 @@ def _block_kernel(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
     scales, md, eff, pts = _block_scales(xv, a)
     return (*_block_apply(xv, md, eff, a, seed), scales, pts)
 
+def _stored(q: torch.Tensor, a: dict) -> torch.Tensor | None:
+    "The elements `q` as kept: cast exactly to `a['store']`, or None (not written)."
+    return None if a["store"] is None else q.to(a["store"])
+
 def _apply_stored(xv: torch.Tensor, md: torch.Tensor, eff: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
-    "`_block_apply` with the elements as kept (`a['store']`: cast exactly to that dtype, or None: not written)."
+    "`_block_apply` with the elements as kept (`_stored`)."
     v, q = _block_apply(xv, md, eff, a, seed)
-    return v, (None if a["store"] is None else q.to(a["store"]))
+    return v, _stored(q, a)
 
 def _kernel_stored(xv: torch.Tensor, a: dict, seed: torch.Tensor | None = None):
-    "`_block_kernel` with the elements as kept (`_apply_stored`): what `quantize_blocks` runs."
-    scales, md, eff, pts = _block_scales(xv, a)
-    return (*_apply_stored(xv, md, eff, a, seed), scales, pts)
+    "`_block_kernel` with the elements as kept (`_stored`): what `quantize_blocks` runs."
+    v, q, scales, pts = _block_kernel(xv, a, seed)
+    return v, _stored(q, a), scales, pts
 
 # %% ../nbs/04d_microscaling.ipynb #f42fd996
 def _compiled_copy(f, n: int):

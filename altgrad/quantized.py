@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .formats import (ALL_FORMATS, COMPILE_MIN_NUMEL, FP8Format, FORMAT_REGISTRY, compile_kernel, compile_mode,
-                             get_format, quantize, _draw_seed, _kernel_nearest, _kernel_stochastic, _tensor_params,
+                             element_format, get_format, quantize, _draw_seed, _kernel_nearest, _kernel_stochastic,
+                             _tensor_params,
                              _want_compiled, saturating, sr_generator, _fmt_spec, _fmt_from_spec)
 from .scaling import (AMAX_ALGOS, GRANULARITIES, AmaxHistory, amax_of, compute_scale, expand_scale,
                              partition_clip, scale_kernel)
@@ -152,12 +153,12 @@ class TensorQuantizer(nn.Module):
         if train: self._record(x, q, scale, amax, count_range(x, q, s, self.fmt))
         return q
 
-    def _history_input(self, scale) -> tuple[bool, torch.Tensor | None]:
-        """(whether a fused kernel scales from the amax history, and the history as it reads it: the window under
-        `max`, the newest entry repeated under `most_recent`; None when it does not). The traced layer reads it too."""
-        if not (scale is None and self.delayed and self.history.initialized): return False, None
+    def _history_input(self, scale) -> torch.Tensor | None:
+        """The amax history as a fused kernel reads it (the window under `max`, the newest entry repeated under
+        `most_recent`), or None when the scale does not come from it. The traced layer reads it too."""
+        if not (scale is None and self.delayed and self.history.initialized): return None
         h, n, w = self.history.history, self.history._n, self.history.window
-        return True, (h if self.history.algo == "max" else h[(n - 1) % w].repeat(w))
+        return h if self.history.algo == "max" else h[(n - 1) % w].repeat(w)
 
     def _quantize_fused(self, x: torch.Tensor, train: bool, scale, gen) -> torch.Tensor | None:
         """`quantize` for per-tensor scaling in one compiled call: scale (from the history or `x`), Q, range counts,
@@ -165,7 +166,7 @@ class TensorQuantizer(nn.Module):
         None if compiling failed (then nothing was recorded, and the caller takes the general path)."""
         dev = x.device
         w = self.history.window if self.history is not None else 1
-        use_hist, hist = self._history_input(scale)
+        hist = self._history_input(scale); use_hist = hist is not None
         if hist is None: hist = _const(("zeros", w, dev), lambda: torch.zeros(w, device=dev))
         target = _const((self.fmt, self.margin, dev),
                         lambda: torch.tensor(self.fmt.max_value / 2.0 ** self.margin, dtype=torch.float32, device=dev))
@@ -216,12 +217,7 @@ class TensorQuantizer(nn.Module):
 
     def set_format(self, fmt):
         "Switch to another format (the amax history stays: amaxes do not depend on the format)."
-        f = get_format(fmt)
-        if not f.signed:                    # UE8M0, UE4M3: what MX and NVFP4 store their block scales in
-            raise ValueError(f"{f.name} is an unsigned scale format, not an element format: a GEMM operand has signs. "
-                             f"Use a signed format ({', '.join(n for n, g in ALL_FORMATS.items() if g.signed)}) or a "
-                             f"block recipe that scales its blocks with it (e.g. mxfp8, nvfp4)")
-        self.fmt = f
+        self.fmt = element_format(fmt, " or a block recipe that scales its blocks with it (e.g. mxfp8, nvfp4)")
         self.qfmt = saturating(self.fmt) if self.saturate else self.fmt   # what the casts use
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -104,7 +104,8 @@ def _land_block(m, before: torch.Tensor, u: torch.Tensor, c_decay: float | None,
 
 def _store_block_residual(c: torch.Tensor, dtype: str, recipe) -> torch.Tensor:
     "The residual as stored between steps: float32, bfloat16, or (`format`) block-quantized in the layer's own recipe."
-    return quantize_blocks(c, recipe, weight=True, elements=False).values if dtype == "format" else store_residual(c, dtype, None)
+    if dtype == "format": return quantize_blocks(c, recipe, weight=True, elements=False).values
+    return store_residual(c, dtype, None)
 
 # %% ../nbs/24_step.ipynb #14544afa
 def _measure_view(m, before: torch.Tensor, u: torch.Tensor, measure: bool = True):

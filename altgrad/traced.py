@@ -107,7 +107,7 @@ def enable_traced(model: nn.Module, on: bool = True) -> dict[str, str]:
 def _prepare_operand(q: TensorQuantizer, st: dict, scale):
     "What eager's training `quantize` reads before quantizing, into the operand's state tensors (`_operand_state`)."
     if st["sr"]: st["seed"].copy_(_draw_seed(q._generator(True), st["seed"].device))
-    use_hist, hist = q._history_input(scale)
+    hist = q._history_input(scale); use_hist = hist is not None
     if use_hist: st["hist"].copy_(hist)
     st["use_hist"].fill_(use_hist); st["use_given"].fill_(scale is not None)
     st["given"].copy_(scale.reshape(())) if scale is not None else st["given"].fill_(1.0)

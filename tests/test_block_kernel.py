@@ -72,21 +72,23 @@ def _interleaved_cases():
     return sorted(cases, key=lambda c: (c[0].split("/")[1:], c[2], c[3], c[0]))
 
 
-def compiled_vs_eager(scale_roundings) -> tuple[int, int, list]:
+def compiled_vs_eager(scale_roundings, names=None, elements: bool = True) -> tuple[int, int, list]:
     """The compiled kernel (forced) against the eager kernel (which the fixture pins) on every case of
-    `_interleaved_cases` whose scale rounding is in `scale_roundings`: (#tensors, #graphs compiled, differing cases)."""
+    `_interleaved_cases` whose scale rounding is in `scale_roundings` (and recipe in `names`, if given), asking for the
+    elements or not (`elements=False`: the GEMM operands' path, none kept): (#tensors, #graphs compiled, differing
+    cases)."""
     from altgrad.microscaling import quantize_blocks, _compiled_view
     from altgrad.formats import _compile_broken
     if _compile_broken: pytest.skip("torch.compile does not work here")
     bad, n = [], 0
     for key, r, rd, ax in _interleaved_cases():
-        if r.scale_rounding not in scale_roundings: continue
+        if r.scale_rounding not in scale_roundings or (names and key.split("/")[0] not in names): continue
         x = _inputs(r)
         if ax == 0: x = x.T.contiguous()
-        e, c = (quantize_blocks(x, r, ax, r.weight_tiles, rd, torch.Generator().manual_seed(7), compiled=k)
-                for k in (False, True))
-        assert not _compile_broken
-        fields = lambda b: (b.values, b.elements, b.scales, b.tensor_scale)   # (the compiled kernel packs its elements)
+        e, c = (quantize_blocks(x, r, ax, r.weight_tiles, rd, torch.Generator().manual_seed(7), compiled=k,
+                                elements=elements) for k in (False, True))
+        assert not _compile_broken and (e.packed is None) == (c.packed is None) == (not elements)
+        fields = lambda b: (b.values, b.elements if elements else None, b.scales, b.tensor_scale)   # (compiled: packed)
         for u, v in zip(fields(e), fields(c)):
             if u is None: assert v is None; continue
             n += 1

@@ -18,24 +18,6 @@ def test_values_only_kernel_matches_the_eager_one():
     """`quantize_blocks(..., elements=False)`, the GEMM operands' path (one graph along the last axis, two along the rows;
     no elements written), gives the eager kernel's values, scales and tensor scale, NaN payloads aside: mxfp8 and
     mxfp4 (FLOOR) and nvfp4, 1-D and 2-D blocks, both axes, nearest and stochastic, on the adversarial inputs."""
-    import torch
-    from dataclasses import replace
-    from test_block_kernel import _inputs, _canonical
-    from altgrad.microscaling import get_recipe, quantize_blocks
-    from altgrad.formats import _compile_broken
-    bad, n = [], 0
-    for name in ("mxfp8", "mxfp4", "nvfp4"):
-        for tiles in (False, True):
-            r = replace(get_recipe(name), weight_tiles=tiles); x = _inputs(r)
-            for rd in ("nearest", "stochastic"):
-                for ax in (-1, 0):
-                    xi = x if ax == -1 else x.T.contiguous()
-                    e, c = (quantize_blocks(xi, r, ax, tiles, rd, torch.Generator().manual_seed(7), compiled=k,
-                                            elements=False) for k in (False, True))
-                    assert not _compile_broken and e.packed is None and c.packed is None
-                    for u, v in ((e.values, c.values), (e.scales, c.scales), (e.tensor_scale, c.tensor_scale)):
-                        if u is None: assert v is None; continue
-                        n += 1
-                        if not torch.equal(_canonical(u), _canonical(v)): bad.append(f"{name}/{tiles}/{rd}/axis{ax}")
+    n, _, bad = compiled_vs_eager({"floor", "nearest"}, names={"mxfp8", "mxfp4", "nvfp4"}, elements=False)
     assert n == 3 * 2 * 2 * 2 * 2 + 2 * 2 * 2, n      # values and scales of 24 cases + nvfp4's tensor scale
     assert not bad, f"{len(bad)} of {n} tensors differ: {bad[:8]}"

@@ -507,15 +507,6 @@ def test_masked_lower_median():
 
 
 # ---------------------------------------------------------------- 8. block formats (MX, NVFP4)
-def _block_cases():
-    "Every registered recipe under every scale rounding it accepts, 1-D blocks and 2-D weight tiles (test_block_kernel's)."
-    from dataclasses import replace
-    from altgrad.microscaling import RECIPES, SCALE_ROUNDINGS
-    for name, r in RECIPES.items():
-        for sr in SCALE_ROUNDINGS[r.scale]:
-            for tiles in (False, True): yield f"{name}/{sr}/{'2d' if tiles else '1d'}", replace(r, scale_rounding=sr, weight_tiles=tiles)
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 def test_block_quantize_bits(compiled):
     """`quantize_blocks` on the device against the CPU's eager kernel: values, elements, scales and tensor scale bit for
@@ -526,10 +517,10 @@ def test_block_quantize_bits(compiled):
     `tests/test_block_kernel*.py`)."""
     import sys
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_block_kernel import _inputs
+    from test_block_kernel import _inputs, _variants     # every recipe, scale rounding, 1-D and 2-D
     from altgrad.microscaling import quantize_blocks
     figs, cases = dict(elements=0, tensors=0, nan=0, nan_bit_diff=0), 0
-    for key, r in _block_cases():
+    for key, r in _variants():
         if compiled and key not in ("mxfp8/floor/1d", "mxfp8/floor/2d", "nvfp4/nearest/1d", "nvfp4/nearest/2d"): continue
         x = _inputs(r)
         for rounding in (("nearest",) if compiled else ("nearest", "stochastic")):
