@@ -155,11 +155,17 @@ def _stamp(p: Path):
     except FileNotFoundError: return None
     return st.st_size, st.st_mtime_ns
 
+def _folder_state(d: Path) -> tuple:
+    "Every entry of folder `d` with its size and mtime: it changes when any file of the run does."
+    try: return tuple(sorted((e.name, _stamp(Path(e.path))) for e in os.scandir(d)))
+    except FileNotFoundError: return ()
+
 def _folder_endpoint(d: Path, cfg):
     """`endpoint` of the finished run of `cfg` in folder `d`, or None: `check_run` (a YAML parse, ~0.05 s) once per
-    folder state, remembered while `config.yaml` and `summary.json` keep their size and mtime (a worker asks for every
-    run before each claim: ~700 parses cost 30 s a run)."""
-    key = (str(d), repr(cfg), _stamp(d / "config.yaml"), _stamp(d / "summary.json"))
+    folder state, remembered while no file of the folder changes size or mtime (a worker asks for every run before each
+    claim: ~700 parses cost 30 s a run). Every file counts: the trainer writes `summary.json` before its metrics are
+    closed and compacted, and a verdict taken in between must not outlive them."""
+    key = (str(d), repr(cfg), _folder_state(d))
     if key not in _FOLDER_MEMO:
         run = check_run(d, cfg)[0]
         _FOLDER_MEMO[key] = None if run is None else endpoint(run.summary)
