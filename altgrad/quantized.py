@@ -200,7 +200,7 @@ class TensorQuantizer(nn.Module):
             if self.defer: self._pending = amax if self._pending is None else torch.maximum(self._pending, amax)
             else: self.history.update(amax)
         self._buffers["scale"] = scale          # (plain dict write: a buffer assignment per call costs more)
-        self.counts += counts
+        self.counts.add_(counts)
         self.total += x.numel()
         if self.retain: self.last = q
 

@@ -171,7 +171,7 @@ class AmaxHistory(nn.Module):
             raise ValueError(f"AmaxHistory holds amaxes of shape {tuple(self.history.shape[1:])}, got {tuple(a.shape)};"
                              " use one history per tensor and granularity (or call reset())")
         self.history[self._n % self.window] = a.to(self.history.device)
-        self._n += 1; self.count += 1
+        self._n += 1; self.count.add_(1)                       # (in place: no buffer assignment)
         return self
 
     @property
