@@ -135,15 +135,15 @@ def state_digest(path) -> str:
 
 
 # %% ../nbs/38_confirm.ipynb #341fa1b5
-def finished_runs(design: Design, out, data_dir, specs: list) -> dict:
+def finished_runs(design: Design, out, data_dir, specs: list, fresh: bool = False) -> dict:
     """{name: final validation loss (NaN for a run stopped at a non-finite step)} of the `specs`
-    finished in `out`, by config."""
+    finished in `out`, by config. `fresh`: read every folder again (nothing remembered)."""
     table, done = read_table(out), {}
     for s in specs:
-        cfg, row = spec_config(design, s, out, data_dir), table.get(s.name)
+        cfg, row, d = spec_config(design, s, out, data_dir), table.get(s.name), run_dir(out, s)
         if row is not None and run_status(row["summary"]) in DONE and not config_diff(row["config"], cfg):
             done[s.name] = endpoint(row["summary"])
-        elif (run_dir(out, s) / "summary.json").exists() and (v := _folder_endpoint(run_dir(out, s), cfg)) is not None:
+        elif (d / "summary.json").exists() and (v := _folder_endpoint(d, cfg, fresh)) is not None:
             done[s.name] = v
     return done
 
@@ -160,13 +160,14 @@ def _folder_state(d: Path) -> tuple:
     try: return tuple(sorted((e.name, _stamp(Path(e.path))) for e in os.scandir(d)))
     except FileNotFoundError: return ()
 
-def _folder_endpoint(d: Path, cfg):
+def _folder_endpoint(d: Path, cfg, fresh: bool = False):
     """`endpoint` of the finished run of `cfg` in folder `d`, or None: `check_run` (a YAML parse, ~0.05 s) once per
     folder state, remembered while no file of the folder changes size or mtime (a worker asks for every run before each
-    claim: ~700 parses cost 30 s a run). Every file counts: the trainer writes `summary.json` before its metrics are
-    closed and compacted, and a verdict taken in between must not outlive them."""
+    claim: ~700 parses cost 30 s a run); `fresh` checks again. Every file counts: a worker that reads a folder while
+    `compact_run` replaces its `metrics.jsonl` by `metrics.parquet` can find neither, and that verdict must not
+    outlive the compaction."""
     key = (str(d), repr(cfg), _folder_state(d))
-    if key not in _FOLDER_MEMO:
+    if fresh or key not in _FOLDER_MEMO:
         run = check_run(d, cfg)[0]
         _FOLDER_MEMO[key] = None if run is None else endpoint(run.summary)
     return _FOLDER_MEMO[key]
@@ -292,6 +293,15 @@ def train(design: Design, spec: Spec, out, data_dir) -> dict:
     return summ
 
 # %% ../nbs/38_confirm.ipynb #d78489d4-todo-train-work
+def _trained(design: Design, s: Spec, out, data_dir) -> bool:
+    """Under its claim (its plan may be stale: another worker may have trained it since), must `s` not be trained?
+    A branch: it is finished, read afresh. A trunk: its checkpoint is there, or it finished at a non-finite step
+    (no checkpoint; its branches are never trained). A trunk finished elsewhere without its checkpoint (a fresh clone
+    holds the table, not checkpoints) is trained again."""
+    v = finished_runs(design, out, data_dir, [s], fresh=True).get(s.name)
+    if s.regime is not None: return v is not None
+    return trunk_checkpoint(out, s, design).exists() or (v is not None and not math.isfinite(v))
+
 def work(design: Design, out, data_dir, phases=("tuning", "heldout"), log=print) -> int:
     """One worker: train what the study still needs, one run at a time, beside other workers sharing
     `out`; returns runs trained."""
@@ -302,9 +312,7 @@ def work(design: Design, out, data_dir, phases=("tuning", "heldout"), log=print)
         for s in specs:
             if s.regime is not None and not trunk_checkpoint(out, s, design).exists(): continue
             with claim_run(out, s.name) as mine:
-                ready = (trunk_checkpoint(out, s, design).exists() if s.regime is None
-                         else s.name in finished_runs(design, out, data_dir, [s]))
-                if not mine or ready: continue        # (a trunk in a fresh clone: finished, but its checkpoint is gone)
+                if not mine or _trained(design, s, out, data_dir): continue
                 t = time.time(); summ = train(design, s, out, data_dir); n += 1
                 log(f"[confirm] {s.name}: {summ['stopped_reason']} at step {summ['final_step']}, val "
                     f"{summ['final_val_loss']} ({time.time() - t:.0f} s; {len(specs) - 1} others to train)", flush=True)

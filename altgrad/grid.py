@@ -208,7 +208,8 @@ _RADIX_MIN = 8192              # below: plain selection is as fast as the radix 
 
 def _select_bits(b: np.ndarray, k: int):
     """The `k`-th smallest (from 0) of the non-negative int32 `b`: one counting pass over its high 16 bits finds the
-    bucket that holds it, selection within that bucket finishes (2.5x faster than selecting over all of `b`)."""
+    bucket that holds it, selection within that bucket finishes (on the study preset's weights 1.5x to 2.9x faster
+    than selecting over all of `b`; nothing gained when every element falls in one bucket)."""
     hi = b >> 16
     cs = np.cumsum(np.bincount(hi))
     j = int(np.searchsorted(cs, k, side="right"))              # the first bucket with more than k elements up to it
