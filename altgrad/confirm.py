@@ -149,15 +149,15 @@ def finished_runs(design: Design, out, data_dir, specs: list, fresh: bool = Fals
 
 _FOLDER_MEMO: dict = {}
 
-def _stamp(p: Path):
-    "A file's (size, mtime), or None while it does not exist."
+def _stamp(p):
+    "A file's (size, mtime), or None while it does not exist (`p`: a path or an `os.scandir` entry)."
     try: st = p.stat()
     except FileNotFoundError: return None
     return st.st_size, st.st_mtime_ns
 
 def _folder_state(d: Path) -> tuple:
     "Every entry of folder `d` with its size and mtime: it changes when any file of the run does."
-    try: return tuple(sorted((e.name, _stamp(Path(e.path))) for e in os.scandir(d)))
+    try: return tuple(sorted((e.name, _stamp(e)) for e in os.scandir(d)))
     except FileNotFoundError: return ()
 
 def _folder_endpoint(d: Path, cfg, fresh: bool = False):

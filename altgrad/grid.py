@@ -189,7 +189,7 @@ def _stats_kernel(wb, u, wa, s, prev, res, view_stall: bool, one, small, **p):
     same = (_kernel_nearest(wb + u, s, **p) == qb / s) if view_stall else (dw == 0)
     aa = _kernel_nearest(wa * s, one, **p).abs()                         # `grid_magnitude(wa)`
     z = torch.zeros((), dtype=torch.float64, device=u.device)
-    n = lambda b: b.sum(dtype=count_dtype(u)).double()                   # a count
+    dt = count_dtype(u); n = lambda b: b.sum(dtype=dt).double()          # a count
     if prev is not None:
         base = wb != prev
         flip, nbase = n(base & (wa == prev)), n(base)
